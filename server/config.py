@@ -1,0 +1,37 @@
+"""Server settings: command-line flags with SCOPEWIRE_* environment fallbacks."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import platformdirs
+
+ROOT_DATA_DIR = Path("/var/lib/scopewire")
+
+
+def default_data_dir() -> Path:
+    # initdb/postgres refuse root and must run as an unprivileged account, which
+    # cannot reach root's home (mode 0700); root's default lives where it can.
+    if os.geteuid() == 0:
+        return ROOT_DATA_DIR
+    return Path(platformdirs.user_data_dir("scopewire", appauthor=False))
+
+
+@dataclass(frozen=True)
+class DatabaseConfig:
+    data_dir: Path
+    database_url: str | None = None
+    database_name: str = "scopewire"
+    pg_binaries: str = "auto"        # bundled | system | auto
+    pg_port: int | None = None       # None: unix socket only
+    pg_run_as: str | None = None     # as root: the unprivileged account postgres runs as
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8765
+    log_level: str = "info"
+    shutdown_grace_seconds: float = 5.0

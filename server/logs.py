@@ -1,0 +1,38 @@
+"""Structured logs: one JSON object per line on stderr."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+import msgspec
+
+# Attributes every LogRecord has; anything else came from `extra=` and is logged as a field.
+_STANDARD = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime", "taskName"}
+_encoder = msgspec.json.Encoder(enc_hook=str)
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        entry.update({k: v for k, v in record.__dict__.items() if k not in _STANDARD})
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return _encoder.encode(entry).decode()
+
+
+def configure(level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    # Library chatter stays out unless asked for.
+    for noisy in ("trio-websocket", "asyncio"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))

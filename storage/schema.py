@@ -1,0 +1,725 @@
+"""scopewire's schema: the single definition of every table.
+
+Table and field names follow the seeds (workspace-multi-tenant.md §10,
+scope-model.md §3, service-account.md §5.1).  Every tenant row carries a
+non-null `workspace_id`, and references between tenant rows are composite
+foreign keys through `workspace_id`, so a row can never point into another
+workspace.  Where the seeds say `*_uuid` we use `*_id` holding a prefixed id
+(storage/ids.py).
+"""
+
+from __future__ import annotations
+
+from storage.ids import sql_check
+from storage.schema_dsl import Check, Column, Exclude, ForeignKey, Index, Schema, Table, Unique, Version
+
+TS = "timestamptz"
+NOW = "now()"
+
+
+def id_check(table: str, column: str, prefix: str, since: int = 1) -> Check:
+    return Check(f"{table}_{column}_format", sql_check(column, prefix), since=since)
+
+
+def enum_check(table: str, column: str, values: tuple[str, ...], since: int = 1) -> Check:
+    allowed = ", ".join(f"'{v}'" for v in values)
+    return Check(f"{table}_{column}_valid", f"{column} IN ({allowed})", since=since)
+
+
+def tenant_fk(table: str, columns: tuple[str, ...], ref_table: str, ref_columns: tuple[str, ...], name: str,
+              on_delete: str | None = None) -> ForeignKey:
+    return ForeignKey(f"{table}_{name}_fkey", columns, ref_table, ref_columns, on_delete=on_delete)
+
+
+def member_fk(table: str, column: str) -> ForeignKey:
+    """A reference to a member of the same workspace."""
+    return tenant_fk(table, ("workspace_id", column), "members", ("workspace_id", "id"), column.removesuffix("_id"))
+
+
+def timestamps() -> tuple[Column, Column]:
+    return Column("created_at", TS, default=NOW), Column("updated_at", TS, default=NOW)
+
+
+# btree_gist: the membership interval exclusion; pg_trgm: message search.
+EXTENSIONS = ("btree_gist", "pg_trgm")
+ROLES = ("owner", "admin", "developer", "operator", "viewer")
+SCOPE_TYPES = ("channel", "dm", "thread", "task", "service_account", "workflow")
+DELIVERY_POLICIES = (
+    "inline_ordinary",
+    "autonomous_store_recoverable",
+    "inline_targeted",
+    "worker_first_targeted",
+    "worker_first_mutation",
+)
+
+# --- tenancy (workspace-multi-tenant.md §10) --------------------------------------------
+
+accounts = Table(
+    "accounts",
+    columns=(
+        Column("id", "text"),
+        Column("email_normalized", "text"),
+        Column("display_name", "text"),
+        Column("avatar_url", "text", nullable=True),
+        Column("status", "text", default="'active'"),
+        Column("source", "text", default="'local'"),
+        Column("projection_revision", "bigint", default="0"),
+        # Bumping this revokes every session token issued to the account.
+        Column("token_version", "bigint", default="1"),
+        *timestamps(),
+    ),
+    primary_key=("id",),
+    uniques=(Unique("accounts_email_normalized_key", ("email_normalized",)),),
+    checks=(
+        id_check("accounts", "id", "acc"),
+        enum_check("accounts", "status", ("active", "disabled", "deleted")),
+        enum_check("accounts", "source", ("local", "cloud_projection")),
+        Check("accounts_email_normalized_form", "email_normalized = lower(btrim(email_normalized)) AND email_normalized LIKE '_%@_%'"),
+        Check("accounts_display_name_length", "char_length(display_name) BETWEEN 1 AND 200"),
+        Check("accounts_token_version_positive", "token_version >= 1"),
+    ),
+)
+
+local_credentials = Table(
+    "local_credentials",
+    columns=(
+        Column("account_id", "text"),
+        Column("password_hash", "text"),
+        Column("password_updated_at", TS, default=NOW),
+    ),
+    primary_key=("account_id",),
+    foreign_keys=(ForeignKey("local_credentials_account_fkey", ("account_id",), "accounts", ("id",), on_delete="CASCADE"),),
+)
+
+workspaces = Table(
+    "workspaces",
+    columns=(
+        Column("id", "text"),
+        Column("instance_id", "text"),
+        Column("name", "text"),
+        Column("slug", "text"),
+        Column("type", "text"),
+        Column("status", "text", default="'provisioning'"),
+        Column("created_by_account_id", "text"),
+        Column("source", "text", default="'local'"),
+        Column("projection_revision", "bigint", default="0"),
+        # Set to 1 for every workspace created under the single-workspace edition, so
+        # the unique key refuses a second one at the database level (§10.2).
+        Column("single_edition_slot", "smallint", nullable=True),
+        *timestamps(),
+    ),
+    primary_key=("id",),
+    uniques=(
+        Unique("workspaces_slug_key", ("slug",)),
+        Unique("workspaces_single_edition_slot_key", ("single_edition_slot",)),
+    ),
+    checks=(
+        id_check("workspaces", "id", "wsp"),
+        enum_check("workspaces", "type", ("personal", "team")),
+        enum_check("workspaces", "status", ("provisioning", "active", "suspended", "archived", "deleted")),
+        enum_check("workspaces", "source", ("local", "cloud_projection")),
+        Check("workspaces_single_edition_slot_valid", "single_edition_slot IS NULL OR single_edition_slot = 1"),
+        Check("workspaces_slug_form", "slug ~ '^[a-z0-9][a-z0-9-]{0,62}$'"),
+        Check("workspaces_name_length", "char_length(name) BETWEEN 1 AND 200"),
+    ),
+    foreign_keys=(ForeignKey("workspaces_created_by_account_fkey", ("created_by_account_id",), "accounts", ("id",)),),
+)
+
+workspace_execution_states = Table(
+    "workspace_execution_states",
+    columns=(
+        Column("workspace_id", "text"),
+        Column("instance_id", "text"),
+        Column("active_generation", "bigint", default="1"),
+        Column("state", "text", default="'active'"),
+        Column("write_fenced", "boolean", default="false"),
+        Column("source", "text", default="'local'"),
+        Column("desired_state_revision", "bigint", default="0"),
+        Column("updated_at", TS, default=NOW),
+    ),
+    primary_key=("workspace_id",),
+    checks=(
+        Check("workspace_execution_states_generation_positive", "active_generation >= 1"),
+        enum_check("workspace_execution_states", "state", ("provisioning", "active", "migrating", "draining", "inactive")),
+        enum_check("workspace_execution_states", "source", ("local", "cloud")),
+    ),
+    foreign_keys=(ForeignKey("workspace_execution_states_workspace_fkey", ("workspace_id",), "workspaces", ("id",)),),
+)
+
+workspace_memberships = Table(
+    "workspace_memberships",
+    columns=(
+        Column("id", "text"),
+        Column("workspace_id", "text"),
+        Column("account_id", "text"),
+        Column("role", "text"),
+        Column("status", "text", default="'active'"),
+        Column("invited_by_account_id", "text", nullable=True),
+        Column("joined_at", TS, default=NOW),
+        # The membership revision: bumped by every role/status change.
+        Column("projection_revision", "bigint", default="1"),
+        *timestamps(),
+    ),
+    primary_key=("id",),
+    uniques=(
+        Unique("workspace_memberships_workspace_account_key", ("workspace_id", "account_id")),
+        Unique("workspace_memberships_workspace_id_key", ("workspace_id", "id")),
+    ),
+    checks=(
+        id_check("workspace_memberships", "id", "wmb"),
+        enum_check("workspace_memberships", "role", ROLES),
+        enum_check("workspace_memberships", "status", ("active", "disabled", "removed")),
+    ),
+    foreign_keys=(
+        ForeignKey("workspace_memberships_workspace_fkey", ("workspace_id",), "workspaces", ("id",)),
+        ForeignKey("workspace_memberships_account_fkey", ("account_id",), "accounts", ("id",)),
+        ForeignKey("workspace_memberships_invited_by_fkey", ("invited_by_account_id",), "accounts", ("id",)),
+    ),
+    indexes=(
+        Index("workspace_memberships_account_idx", "account_id, status"),
+        Index("workspace_memberships_active_owner_idx", "workspace_id", where="role = 'owner' AND status = 'active'"),
+    ),
+)
+
+members = Table(
+    "members",
+    columns=(
+        Column("id", "text"),
+        Column("workspace_id", "text"),
+        Column("kind", "text"),
+        Column("account_id", "text", nullable=True),
+        Column("workspace_membership_id", "text", nullable=True),
+        Column("owner_member_id", "text", nullable=True),
+        Column("visibility", "text", nullable=True),
+        Column("handle", "text"),
+        Column("display_name", "text"),
+        Column("status", "text", default="'active'"),
+        *timestamps(),
+    ),
+    primary_key=("id",),
+    uniques=(
+        Unique("members_workspace_id_key", ("workspace_id", "id")),
+        Unique("members_workspace_handle_key", ("workspace_id", "handle")),
+        Unique("members_workspace_membership_key", ("workspace_membership_id",)),
+    ),
+    checks=(
+        id_check("members", "id", "mem"),
+        enum_check("members", "kind", ("human", "agent", "service")),
+        enum_check("members", "status", ("active", "disabled", "removed")),
+        Check("members_handle_form", "handle ~ '^[a-z0-9][a-z0-9_.-]{0,63}$'"),
+        Check("members_display_name_length", "char_length(display_name) BETWEEN 1 AND 200"),
+        Check("members_human_has_account",
+              "(kind = 'human') = (account_id IS NOT NULL AND workspace_membership_id IS NOT NULL)"),
+        Check("members_agent_has_owner", "(kind = 'agent') = (owner_member_id IS NOT NULL)"),
+        Check("members_agent_visibility",
+              "(kind = 'agent' AND visibility IN ('public', 'private')) OR (kind <> 'agent' AND visibility IS NULL)"),
+    ),
+    foreign_keys=(
+        ForeignKey("members_workspace_fkey", ("workspace_id",), "workspaces", ("id",)),
+        ForeignKey("members_account_fkey", ("account_id",), "accounts", ("id",)),
+        tenant_fk("members", ("workspace_id", "workspace_membership_id"), "workspace_memberships",
+                  ("workspace_id", "id"), "workspace_membership"),
+        member_fk("members", "owner_member_id"),
+    ),
+    indexes=(
+        Index("members_workspace_account_idx", "workspace_id, account_id", where="account_id IS NOT NULL"),
+        Index("members_owner_idx", "workspace_id, owner_member_id", where="owner_member_id IS NOT NULL"),
+    ),
+)
+
+workspace_invitations = Table(
+    "workspace_invitations",
+    columns=(
+        Column("id", "text"),
+        Column("workspace_id", "text"),
+        Column("normalized_email", "text"),
+        Column("role", "text"),
+        # sha256 of the token; the token itself is never stored.
+        Column("token_hash", "bytea"),
+        Column("status", "text", default="'pending'"),
+        Column("expires_at", TS),
+        Column("accepted_at", TS, nullable=True),
+        Column("accepted_by_account_id", "text", nullable=True),
+        Column("revoked_at", TS, nullable=True),
+        Column("created_by_account_id", "text"),
+        *timestamps(),
+    ),
+    primary_key=("id",),
+    uniques=(Unique("workspace_invitations_token_hash_key", ("token_hash",)),),
+    checks=(
+        id_check("workspace_invitations", "id", "inv"),
+        # Invitations never grant owner (owner transfer is its own operation).
+        enum_check("workspace_invitations", "role", ROLES[1:]),
+        enum_check("workspace_invitations", "status", ("pending", "accepted", "revoked", "expired")),
+        Check("workspace_invitations_token_hash_length", "octet_length(token_hash) = 32"),
+        Check("workspace_invitations_accepted_state",
+              "(status = 'accepted') = (accepted_at IS NOT NULL AND accepted_by_account_id IS NOT NULL)"),
+        Check("workspace_invitations_revoked_state", "(status = 'revoked') = (revoked_at IS NOT NULL)"),
+    ),
+    foreign_keys=(
+        ForeignKey("workspace_invitations_workspace_fkey", ("workspace_id",), "workspaces", ("id",)),
+        ForeignKey("workspace_invitations_created_by_fkey", ("created_by_account_id",), "accounts", ("id",)),
+        ForeignKey("workspace_invitations_accepted_by_fkey", ("accepted_by_account_id",), "accounts", ("id",)),
+    ),
+    indexes=(
+        # One live invitation per (workspace, email).
+        Index("workspace_invitations_pending_email_key", "workspace_id, normalized_email", unique=True,
+              where="status = 'pending'"),
+    ),
+)
+
+api_keys = Table(
+    "api_keys",
+    columns=(
+        Column("id", "text"),
+        Column("workspace_id", "text"),
+        Column("member_id", "text"),
+        Column("created_by_account_id", "text", nullable=True),
+        Column("name", "text"),
+        Column("key_hash", "bytea"),
+        Column("scopes", "text[]", default="'{}'::text[]"),
+        Column("status", "text", default="'active'"),
+        Column("expires_at", TS, nullable=True),
+        Column("last_used_at", TS, nullable=True),
+        Column("revoked_at", TS, nullable=True),
+        Column("created_at", TS, default=NOW),
+    ),
+    primary_key=("id",),
+    uniques=(Unique("api_keys_key_hash_key", ("key_hash",)),),
+    checks=(
+        id_check("api_keys", "id", "key"),
+        enum_check("api_keys", "status", ("active", "revoked")),
+        Check("api_keys_key_hash_length", "octet_length(key_hash) = 32"),
+        Check("api_keys_revoked_state", "(status = 'revoked') = (revoked_at IS NOT NULL)"),
+        Check("api_keys_name_length", "char_length(name) BETWEEN 1 AND 200"),
+    ),
+    foreign_keys=(
+        ForeignKey("api_keys_workspace_fkey", ("workspace_id",), "workspaces", ("id",)),
+        member_fk("api_keys", "member_id"),
+        ForeignKey("api_keys_created_by_fkey", ("created_by_account_id",), "accounts", ("id",)),
+    ),
+    indexes=(Index("api_keys_workspace_member_idx", "workspace_id, member_id"),),
+)
+
+# --- message domain (scope-model.md §3) ------------------------------------------------
+
+scopes = Table(
+    "scopes",
+    columns=(
+        Column("id", "text"),
+        Column("workspace_id", "text"),
+        Column("type", "text"),
+        Column("parent_scope_id", "text", nullable=True),
+        Column("root_message_id", "text", nullable=True),
+        Column("root_message_short_id", "text", nullable=True),
+        Column("identity_key", "text", nullable=True),
+        Column("latest_seq", "bigint", default="0"),
+        Column("latest_global_seq", "bigint", default="0"),
+        Column("latest_message_at", TS, nullable=True),
+        Column("roster_generation", "bigint", default="0"),
+        Column("archived_until_seq", "bigint", nullable=True),
+        Column("status", "text", default="'active'"),
+        Column("created_by_member_id", "text", nullable=True),
+        *timestamps(),
+        Column("archived_at", TS, nullable=True),
+    ),
+    primary_key=("id",),
+    uniques=(
+        Unique("scopes_workspace_id_key", ("workspace_id", "id")),
+        Unique("scopes_workspace_id_type_key", ("workspace_id", "id", "type")),
+        Unique("scopes_identity_key_key", ("identity_key",)),
+    ),
+    checks=(
+        id_check("scopes", "id", "scp"),
+        enum_check("scopes", "type", SCOPE_TYPES),
+        enum_check("scopes", "status", ("active", "archived", "deleted")),
+        Check("scopes_thread_shape",
+              "(type = 'thread') = (parent_scope_id IS NOT NULL AND root_message_id IS NOT NULL)"),
+        Check("scopes_identity_key_shape",
+              "(type IN ('dm', 'service_account', 'workflow')) = (identity_key IS NOT NULL)"),
+        Check("scopes_counters_nonnegative",
+              "latest_seq >= 0 AND latest_global_seq >= 0 AND roster_generation >= 0"),
+        Check("scopes_archived_state", "(status = 'archived') = (archived_at IS NOT NULL)"),
+    ),
+    foreign_keys=(
+        ForeignKey("scopes_workspace_fkey", ("workspace_id",), "workspaces", ("id",)),
+        tenant_fk("scopes", ("workspace_id", "parent_scope_id"), "scopes", ("workspace_id", "id"), "parent_scope"),
+        # The root message lives in the parent scope.
+        tenant_fk("scopes", ("parent_scope_id", "root_message_id"), "scope_messages", ("scope_id", "id"), "root_message"),
+        member_fk("scopes", "created_by_member_id"),
+    ),
+    indexes=(
+        Index("scopes_parent_idx", "parent_scope_id, root_message_id", where="parent_scope_id IS NOT NULL"),
+        Index("scopes_workspace_type_idx", "workspace_id, type, status"),
+    ),
+)
+
+scope_channel_profiles = Table(
+    "scope_channel_profiles",
+    columns=(
+        Column("scope_id", "text"),
+        Column("workspace_id", "text"),
+        # Always 'channel': with the composite key below only channel scopes have a profile.
+        Column("scope_type", "text", default="'channel'"),
+        Column("slug", "text"),
+        Column("display_name", "text"),
+        Column("description", "text", default="''"),
+        Column("visibility", "text"),
+        Column("owner_member_id", "text", nullable=True),
+        Column("is_all_channel", "boolean", default="false"),
+        *timestamps(),
+    ),
+    primary_key=("scope_id",),
+    uniques=(Unique("scope_channel_profiles_workspace_slug_key", ("workspace_id", "slug")),),
+    checks=(
+        Check("scope_channel_profiles_scope_type_channel", "scope_type = 'channel'"),
+        enum_check("scope_channel_profiles", "visibility", ("public", "private")),
+        Check("scope_channel_profiles_slug_form", "slug ~ '^[a-z0-9][a-z0-9_-]{0,79}$'"),
+        Check("scope_channel_profiles_display_name_length", "char_length(display_name) BETWEEN 1 AND 200"),
+        Check("scope_channel_profiles_description_length", "char_length(description) <= 4000"),
+    ),
+    foreign_keys=(
+        tenant_fk("scope_channel_profiles", ("workspace_id", "scope_id", "scope_type"), "scopes",
+                  ("workspace_id", "id", "type"), "scope"),
+        member_fk("scope_channel_profiles", "owner_member_id"),
+    ),
+    indexes=(
+        Index("scope_channel_profiles_all_channel_key", "workspace_id", unique=True, where="is_all_channel"),
+    ),
+)
+
+scope_memberships = Table(
+    "scope_memberships",
+    columns=(
+        Column("id", "text"),
+        Column("workspace_id", "text"),
+        Column("scope_id", "text"),
+        Column("member_id", "text"),
+        Column("visibility", "text", default="'public'"),
+        Column("owner_member_id", "text", nullable=True),
+        Column("last_read_seq", "bigint", default="0"),
+        Column("last_read_global_seq", "bigint", default="0"),
+        Column("owner_context_dismissed_through_global_seq", "bigint", default="0"),
+        Column("effective_from_seq", "bigint"),
+        # Inclusive; NULL while the membership is open.
+        Column("effective_to_seq", "bigint", nullable=True),
+        *timestamps(),
+        Column("removed_at", TS, nullable=True),
+        Column("archived_at", TS, nullable=True),
+    ),
+    primary_key=("id",),
+    checks=(
+        id_check("scope_memberships", "id", "smb"),
+        enum_check("scope_memberships", "visibility", ("public", "private")),
+        Check("scope_memberships_private_owner", "(visibility = 'private') = (owner_member_id IS NOT NULL)"),
+        Check("scope_memberships_interval",
+              "effective_from_seq >= 1 AND (effective_to_seq IS NULL OR effective_to_seq >= effective_from_seq - 1)"),
+        Check("scope_memberships_read_cursor", "last_read_seq >= 0 AND last_read_global_seq >= 0"),
+    ),
+    excludes=(
+        # At most one effective membership per (scope, member) at any seq.
+        Exclude("scope_memberships_no_overlap", "gist",
+                "scope_id WITH =, member_id WITH =, int8range(effective_from_seq, effective_to_seq, '[]') WITH &&"),
+    ),
+    foreign_keys=(
+        tenant_fk("scope_memberships", ("workspace_id", "scope_id"), "scopes", ("workspace_id", "id"), "scope"),
+        member_fk("scope_memberships", "member_id"),
+        member_fk("scope_memberships", "owner_member_id"),
+    ),
+    indexes=(
+        Index("scope_memberships_open_key", "scope_id, member_id", unique=True, where="effective_to_seq IS NULL"),
+        Index("scope_memberships_member_open_idx", "workspace_id, member_id, scope_id", where="effective_to_seq IS NULL"),
+        Index("scope_memberships_member_history_idx", "member_id, scope_id, effective_from_seq"),
+    ),
+)
+
+scope_notification_settings = Table(
+    "scope_notification_settings",
+    columns=(
+        Column("scope_id", "text"),
+        Column("member_id", "text"),
+        Column("workspace_id", "text"),
+        Column("state", "text", default="'active'"),
+        *timestamps(),
+    ),
+    primary_key=("scope_id", "member_id"),
+    checks=(enum_check("scope_notification_settings", "state", ("active", "quiet", "mute", "auto-wake", "no-wake")),),
+    foreign_keys=(
+        tenant_fk("scope_notification_settings", ("workspace_id", "scope_id"), "scopes", ("workspace_id", "id"), "scope"),
+        member_fk("scope_notification_settings", "member_id"),
+    ),
+    indexes=(Index("scope_notification_settings_member_idx", "workspace_id, member_id"),),
+)
+
+scope_private_grants = Table(
+    "scope_private_grants",
+    columns=(
+        Column("id", "text"),
+        Column("workspace_id", "text"),
+        Column("scope_id", "text"),
+        Column("owner_member_id", "text"),
+        Column("grantee_member_id", "text"),
+        Column("granted_by_member_id", "text"),
+        Column("created_at", TS, default=NOW),
+        Column("expires_at", TS, nullable=True),
+        Column("revoked_at", TS, nullable=True),
+    ),
+    primary_key=("id",),
+    checks=(
+        id_check("scope_private_grants", "id", "grt"),
+        Check("scope_private_grants_not_self", "owner_member_id <> grantee_member_id"),
+    ),
+    foreign_keys=(
+        tenant_fk("scope_private_grants", ("workspace_id", "scope_id"), "scopes", ("workspace_id", "id"), "scope"),
+        member_fk("scope_private_grants", "owner_member_id"),
+        member_fk("scope_private_grants", "grantee_member_id"),
+        member_fk("scope_private_grants", "granted_by_member_id"),
+    ),
+    indexes=(
+        Index("scope_private_grants_live_key", "scope_id, owner_member_id, grantee_member_id", unique=True,
+              where="revoked_at IS NULL"),
+        Index("scope_private_grants_grantee_idx", "workspace_id, grantee_member_id"),
+    ),
+)
+
+scope_messages = Table(
+    "scope_messages",
+    columns=(
+        Column("id", "text"),
+        Column("workspace_id", "text"),
+        Column("scope_id", "text"),
+        Column("seq", "bigint"),
+        Column("workspace_global_seq", "bigint"),
+        Column("author_member_id", "text"),
+        Column("author_type", "text"),
+        Column("notify_principal_member_id", "text"),
+        Column("idempotency_subject_member_id", "text"),
+        Column("client_message_id", "text", nullable=True),
+        Column("idempotency_payload_digest", "bytea", nullable=True),
+        Column("message_type", "text"),
+        Column("content", "text"),
+        Column("metadata", "jsonb", default="'{}'::jsonb"),
+        *timestamps(),
+    ),
+    primary_key=("id",),
+    uniques=(
+        Unique("scope_messages_scope_seq_key", ("scope_id", "seq")),
+        Unique("scope_messages_workspace_global_seq_key", ("workspace_id", "workspace_global_seq")),
+        Unique("scope_messages_workspace_id_key", ("workspace_id", "id")),
+        Unique("scope_messages_scope_id_key", ("scope_id", "id")),
+        # NULL client_message_id rows are distinct, so only keyed sends are constrained.
+        Unique("scope_messages_idempotency_key",
+               ("scope_id", "author_member_id", "idempotency_subject_member_id", "client_message_id")),
+    ),
+    checks=(
+        id_check("scope_messages", "id", "msg"),
+        Check("scope_messages_seq_positive", "seq >= 1 AND workspace_global_seq >= 1"),
+        enum_check("scope_messages", "author_type", ("human", "agent", "service")),
+        Check("scope_messages_idempotency_pair",
+              "(client_message_id IS NULL) = (idempotency_payload_digest IS NULL)"),
+        Check("scope_messages_client_message_id_length", "char_length(client_message_id) BETWEEN 1 AND 128"),
+        Check("scope_messages_content_length", "char_length(content) <= 40000"),
+        Check("scope_messages_metadata_object", "jsonb_typeof(metadata) = 'object'"),
+    ),
+    foreign_keys=(
+        tenant_fk("scope_messages", ("workspace_id", "scope_id"), "scopes", ("workspace_id", "id"), "scope"),
+        member_fk("scope_messages", "author_member_id"),
+        member_fk("scope_messages", "notify_principal_member_id"),
+        member_fk("scope_messages", "idempotency_subject_member_id"),
+    ),
+    indexes=(Index("scope_messages_author_idx", "workspace_id, author_member_id, created_at"),),
+)
+
+scope_message_sources = Table(
+    "scope_message_sources",
+    columns=(
+        Column("message_id", "text"),
+        Column("ordinal", "integer"),
+        Column("workspace_id", "text"),
+        Column("target_scope_id", "text"),
+        Column("source_scope_id", "text", nullable=True),
+        Column("source_seq", "bigint", nullable=True),
+        Column("source_message_id", "text", nullable=True),
+        Column("source_kind", "text"),
+        Column("source_dedupe_key", "text", nullable=True),
+        Column("created_at", TS, default=NOW),
+    ),
+    primary_key=("message_id", "ordinal"),
+    uniques=(Unique("scope_message_sources_dedupe_key", ("message_id", "source_dedupe_key")),),
+    checks=(
+        Check("scope_message_sources_ordinal_nonnegative", "ordinal >= 0"),
+        enum_check("scope_message_sources", "source_kind",
+                   ("reply", "quote", "forward", "multi_forward", "owner_quote", "explicit_context")),
+    ),
+    foreign_keys=(
+        tenant_fk("scope_message_sources", ("target_scope_id", "message_id"), "scope_messages", ("scope_id", "id"),
+                  "message"),
+        tenant_fk("scope_message_sources", ("workspace_id", "target_scope_id"), "scopes", ("workspace_id", "id"),
+                  "target_scope"),
+        tenant_fk("scope_message_sources", ("workspace_id", "source_message_id"), "scope_messages",
+                  ("workspace_id", "id"), "source_message"),
+        tenant_fk("scope_message_sources", ("workspace_id", "source_scope_id"), "scopes", ("workspace_id", "id"),
+                  "source_scope"),
+    ),
+    indexes=(
+        Index("scope_message_sources_source_idx", "workspace_id, source_message_id",
+              where="source_message_id IS NOT NULL"),
+    ),
+)
+
+scope_activity_events = Table(
+    "scope_activity_events",
+    columns=(
+        Column("id", "text"),
+        Column("workspace_id", "text"),
+        Column("scope_id", "text"),
+        Column("activity_type", "text"),
+        Column("activity_ref_type", "text"),
+        Column("activity_ref_id", "text"),
+        Column("activity_global_seq", "bigint"),
+        Column("source_message_id", "text", nullable=True),
+        Column("actor_member_id", "text", nullable=True),
+        Column("reason", "text", nullable=True),
+        Column("payload", "jsonb", default="'{}'::jsonb"),
+        Column("created_at", TS, default=NOW),
+        Column("suppressed_at", TS, nullable=True),
+    ),
+    primary_key=("id",),
+    uniques=(Unique("scope_activity_events_workspace_global_seq_key", ("workspace_id", "activity_global_seq")),),
+    checks=(
+        id_check("scope_activity_events", "id", "act"),
+        Check("scope_activity_events_global_seq_positive", "activity_global_seq >= 1"),
+        Check("scope_activity_events_payload_object", "jsonb_typeof(payload) = 'object'"),
+    ),
+    foreign_keys=(
+        tenant_fk("scope_activity_events", ("workspace_id", "scope_id"), "scopes", ("workspace_id", "id"), "scope"),
+        tenant_fk("scope_activity_events", ("workspace_id", "source_message_id"), "scope_messages",
+                  ("workspace_id", "id"), "source_message"),
+        member_fk("scope_activity_events", "actor_member_id"),
+    ),
+    indexes=(
+        Index("scope_activity_events_scope_idx", "scope_id, activity_global_seq"),
+        Index("scope_activity_events_ref_idx", "workspace_id, activity_ref_type, activity_ref_id"),
+    ),
+)
+
+scope_fanout_outbox = Table(
+    "scope_fanout_outbox",
+    columns=(
+        Column("id", "text"),
+        Column("workspace_id", "text"),
+        Column("scope_id", "text"),
+        Column("message_id", "text", nullable=True),
+        Column("event_ref_type", "text"),
+        Column("event_ref_id", "text"),
+        Column("fanout_type", "text"),
+        Column("delivery_policy", "text"),
+        Column("dedupe_key", "text"),
+        Column("payload", "jsonb", default="'{}'::jsonb"),
+        Column("status", "text", default="'pending'"),
+        Column("attempts", "integer", default="0"),
+        Column("max_attempts", "integer", default="10"),
+        Column("next_attempt_at", TS, default=NOW),
+        Column("lease_owner", "text", nullable=True),
+        Column("lease_expires_at", TS, nullable=True),
+        # The workspace execution generation the producing write committed under (§10.3).
+        Column("execution_generation", "bigint"),
+        Column("created_at", TS, default=NOW),
+        Column("delivered_at", TS, nullable=True),
+        Column("suppressed_at", TS, nullable=True),
+        Column("suppression_reason", "text", nullable=True),
+        Column("last_error", "text", nullable=True),
+    ),
+    primary_key=("id",),
+    uniques=(Unique("scope_fanout_outbox_dedupe_key_key", ("dedupe_key",)),),
+    checks=(
+        id_check("scope_fanout_outbox", "id", "obx"),
+        enum_check("scope_fanout_outbox", "status", ("pending", "leased", "delivered", "failed", "suppressed")),
+        enum_check("scope_fanout_outbox", "delivery_policy", DELIVERY_POLICIES),
+        Check("scope_fanout_outbox_attempts", "attempts >= 0 AND max_attempts >= 1"),
+        Check("scope_fanout_outbox_lease_state",
+              "(status = 'leased') = (lease_owner IS NOT NULL AND lease_expires_at IS NOT NULL)"),
+        Check("scope_fanout_outbox_suppressed_state", "(status = 'suppressed') = (suppressed_at IS NOT NULL)"),
+    ),
+    foreign_keys=(
+        tenant_fk("scope_fanout_outbox", ("workspace_id", "scope_id"), "scopes", ("workspace_id", "id"), "scope"),
+        tenant_fk("scope_fanout_outbox", ("scope_id", "message_id"), "scope_messages", ("scope_id", "id"), "message"),
+    ),
+    indexes=(
+        # The worker's lease scan: only live rows, in due order.
+        Index("scope_fanout_outbox_due_idx", "next_attempt_at", where="status IN ('pending', 'leased')"),
+        Index("scope_fanout_outbox_message_idx", "scope_id, message_id", where="message_id IS NOT NULL"),
+    ),
+)
+
+scope_message_reactions = Table(
+    "scope_message_reactions",
+    columns=(
+        Column("message_id", "text"),
+        Column("member_id", "text"),
+        Column("reaction_key", "text"),
+        Column("workspace_id", "text"),
+        Column("scope_id", "text"),
+        Column("created_at", TS, default=NOW),
+    ),
+    primary_key=("message_id", "member_id", "reaction_key"),
+    checks=(Check("scope_message_reactions_key_length", "char_length(reaction_key) BETWEEN 1 AND 128"),),
+    foreign_keys=(
+        tenant_fk("scope_message_reactions", ("scope_id", "message_id"), "scope_messages", ("scope_id", "id"),
+                  "message"),
+        tenant_fk("scope_message_reactions", ("workspace_id", "scope_id"), "scopes", ("workspace_id", "id"), "scope"),
+        member_fk("scope_message_reactions", "member_id"),
+    ),
+    indexes=(Index("scope_message_reactions_member_idx", "workspace_id, member_id"),),
+)
+
+conversation_member_states = Table(
+    "conversation_member_states",
+    columns=(
+        Column("workspace_id", "text"),
+        Column("member_id", "text"),
+        Column("scope_id", "text"),
+        Column("pinned_at", TS, nullable=True),
+        Column("hidden_at", TS, nullable=True),
+        # Hidden rows come back when a message newer than this seq arrives.
+        Column("hidden_through_seq", "bigint", nullable=True),
+        Column("manual_unread_at", TS, nullable=True),
+        Column("updated_at", TS, default=NOW),
+    ),
+    primary_key=("workspace_id", "member_id", "scope_id"),
+    checks=(Check("conversation_member_states_hidden_state", "(hidden_at IS NULL) = (hidden_through_seq IS NULL)"),),
+    foreign_keys=(
+        member_fk("conversation_member_states", "member_id"),
+        tenant_fk("conversation_member_states", ("workspace_id", "scope_id"), "scopes", ("workspace_id", "id"),
+                  "scope"),
+    ),
+)
+
+SCHEMA = Schema(
+    tables=(
+        accounts,
+        local_credentials,
+        workspaces,
+        workspace_execution_states,
+        workspace_memberships,
+        members,
+        workspace_invitations,
+        api_keys,
+        scopes,
+        scope_channel_profiles,
+        scope_memberships,
+        scope_notification_settings,
+        scope_private_grants,
+        scope_messages,
+        scope_message_sources,
+        scope_activity_events,
+        scope_fanout_outbox,
+        scope_message_reactions,
+        conversation_member_states,
+    ),
+    versions=(
+        Version(1, "tenancy kernel and message domain",
+                before=tuple(f"CREATE EXTENSION IF NOT EXISTS {name}" for name in EXTENSIONS)),
+    ),
+    extensions=EXTENSIONS,
+)
