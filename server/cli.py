@@ -16,7 +16,7 @@ from server import logs
 from server.app import Server
 from server.config import DatabaseConfig, ServerConfig, default_data_dir
 from storage.cluster import ClusterError
-from storage.lifecycle import open_database, provisioned
+from storage.lifecycle import embedded_cluster, open_database, provisioned
 from storage.migrations import migrate, verify
 
 log = logging.getLogger("scopewire")
@@ -116,7 +116,7 @@ async def _serve_async(target, config: DatabaseConfig, server_config: ServerConf
 
 def _with_database(args: argparse.Namespace, action) -> int:
     config = _database_config(args)
-    with provisioned(config) as target:
+    with provisioned(config, share_running=True) as target:
         return trio.run(action, target, config)
 
 
@@ -144,9 +144,10 @@ def _db_url(args: argparse.Namespace) -> int:
     if config.database_url:
         print(f"psql {shlex.quote(config.database_url)}")
         return 0
-    with provisioned(config) as target:
-        assert target.cluster is not None
-        print(shlex.join(target.cluster.psql_command(config.database_name)))
+    cluster = embedded_cluster(config)
+    print(shlex.join(cluster.psql_command(config.database_name)))
+    if not cluster.is_running():
+        print("note: no scopewire is serving this data dir; start `scopewire serve` first", file=sys.stderr)
     return 0
 
 

@@ -130,6 +130,7 @@ class PostgresCluster:
         self._runtime_bin_dir: Path | None = None
         self._socket_dir: Path | None = None
         self._socket_dir_is_temporary = False
+        self._log_offset = 0  # where this start's part of postgres.log begins
 
     # ---------------------------------------------------------------- public API
 
@@ -168,16 +169,19 @@ class PostgresCluster:
         """Fast shutdown (SIGINT), escalating to SIGQUIT then SIGKILL; release the data dir.
         Safe to call repeatedly and after a failed start()."""
         process, self._process = self._process, None
-        stopped = True
-        if process is not None:
-            log.info("stopping postgres", extra={"pgdata": str(self._pgdata), "pg_pid": process.pid})
-            stopped = _shut_down(process.send_signal, functools.partial(_wait_for_child, process))
-            log.info("postgres stopped", extra={"pgdata": str(self._pgdata), "pg_pid": process.pid,
-                                                "exit_status": process.returncode})
-        self._remove_temporary_socket_dir()
-        self._release_lock()
-        if not stopped:
+        try:
+            if process is not None:
+                self._stop_postmaster(process)
+        finally:
+            self._remove_temporary_socket_dir()
+            self._release_lock()
+
+    def _stop_postmaster(self, process: subprocess.Popen[bytes]) -> None:
+        log.info("stopping postgres", extra={"pgdata": str(self._pgdata), "pg_pid": process.pid})
+        if not _shut_down(process.send_signal, functools.partial(_wait_for_child, process)):
             raise ClusterError(f"postgres (pid {process.pid}) did not exit even after SIGKILL")
+        log.info("postgres stopped", extra={"pgdata": str(self._pgdata), "pg_pid": process.pid,
+                                            "exit_status": process.returncode})
 
     def __enter__(self) -> PostgresCluster:
         self.start()
@@ -209,6 +213,13 @@ class PostgresCluster:
         if self._read_password() is not None:
             conninfo["passfile"] = str(self._write_pgpass())
         return [str(psql), " ".join(f"{key}={_conninfo_quote(value)}" for key, value in conninfo.items())]
+
+    def is_running(self) -> bool:
+        """Whether a postmaster serves this data dir, started by us or by another process."""
+        if self._process is not None:
+            return self._process.poll() is None
+        pid = _postmaster_pid(self._pgdata / "postmaster.pid")
+        return pid is not None and _is_postmaster_of(pid, self._pgdata)
 
     @property
     def bin_dir(self) -> Path:
@@ -271,15 +282,15 @@ class PostgresCluster:
     # ---------------------------------------------------------------- data dir and lock
 
     def _create_data_dir(self) -> None:
-        if self._data_dir.is_dir():
-            return
         try:
             self._data_dir.mkdir(mode=0o700, parents=True)
-            os.chmod(self._data_dir, 0o700)  # mkdir's mode is filtered by the umask
         except FileExistsError:
-            raise ClusterError(f"data dir {self._data_dir} exists but is not a directory") from None
+            if not self._data_dir.is_dir():
+                raise ClusterError(f"data dir {self._data_dir} exists but is not a directory") from None
+            return
         except OSError as error:
             raise ClusterError(f"cannot create data dir {self._data_dir}: {error.strerror}") from error
+        os.chmod(self._data_dir, 0o700)  # mkdir's mode is filtered by the umask
         log.info("created data dir", extra={"data_dir": str(self._data_dir)})
 
     def _acquire_lock(self) -> None:
@@ -462,7 +473,12 @@ class PostgresCluster:
         pid = _postmaster_pid(pid_file)
         if pid is not None and _is_postmaster_of(pid, self._pgdata):
             log.info("stopping orphaned postmaster", extra={"pgdata": str(self._pgdata), "pg_pid": pid})
-            if not _shut_down(functools.partial(os.kill, pid), functools.partial(_wait_for_pid_exit, pid)):
+            try:
+                stopped = _shut_down(functools.partial(os.kill, pid), functools.partial(_wait_for_pid_exit, pid))
+            except PermissionError:
+                raise ClusterError(f"a postgres (pid {pid}) owned by another user is running on {self._pgdata}; "
+                                   f"stop it first") from None
+            if not stopped:
                 raise ClusterError(f"an orphaned postgres (pid {pid}) on {self._pgdata} survived SIGKILL")
         else:
             log.info("removing stale postmaster.pid", extra={"pgdata": str(self._pgdata), "stale_pid": pid})
@@ -543,7 +559,8 @@ class PostgresCluster:
         with contextlib.suppress(FileNotFoundError):
             if self._server_log.stat().st_size > ROTATE_LOG_BYTES:
                 os.replace(self._server_log, self._server_log.with_name("postgres.log.1"))
-        server_log = open(self._server_log, "ab")
+        server_log = open(self._server_log, "ab", opener=functools.partial(os.open, mode=0o600))
+        self._log_offset = server_log.seek(0, os.SEEK_END)
         if self._account is not None:
             self._account.chown(self._server_log)
         return server_log
@@ -564,10 +581,11 @@ class PostgresCluster:
             time.sleep(POLL_INTERVAL)
 
     def _server_log_tail(self) -> str:
+        """The end of what postgres logged during this start attempt."""
         try:
             with open(self._server_log, "rb") as server_log:
-                server_log.seek(max(0, server_log.seek(0, os.SEEK_END) - 64 * 1024))
-                return _tail(server_log.read().decode(errors="replace"))
+                server_log.seek(max(self._log_offset, server_log.seek(0, os.SEEK_END) - 64 * 1024))
+                return _tail(server_log.read().decode(errors="replace")) or "(nothing logged)"
         except OSError as error:
             return f"(cannot read the log: {error.strerror})"
 
@@ -697,11 +715,11 @@ def _runtime_copy(bin_dir: Path, major: int, runtime_dir: Path) -> Path:
     identity = f"{install_root / 'bin'}\0{(install_root / 'bin' / 'postgres').stat().st_size}"
     target = runtime_dir / f"pg{major}-{hashlib.sha256(identity.encode()).hexdigest()[:16]}"
     copied_bin_dir = target / package_dir.name / install_root.name / "bin"
-    if target.is_dir():
-        return copied_bin_dir
     runtime_dir.mkdir(mode=0o755, exist_ok=True)
     os.chmod(runtime_dir, 0o755)
-    _remove_other_runtime_copies(runtime_dir)
+    _remove_other_runtime_copies(runtime_dir, keep=target)
+    if target.is_dir():
+        return copied_bin_dir
     log.info("copying bundled binaries", extra={"source": str(install_root), "target": str(target)})
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=runtime_dir))
     try:
@@ -718,11 +736,11 @@ def _runtime_copy(bin_dir: Path, major: int, runtime_dir: Path) -> Path:
     return copied_bin_dir
 
 
-def _remove_other_runtime_copies(runtime_dir: Path) -> None:
-    """Only one scopewire (the lock holder) uses runtime_dir, so older copies and interrupted
-    copies are garbage."""
+def _remove_other_runtime_copies(runtime_dir: Path, keep: Path) -> None:
+    """Only one scopewire (the lock holder) uses runtime_dir, so copies of other binaries and
+    interrupted copies are garbage."""
     for entry in runtime_dir.iterdir():
-        if entry.is_dir() and not entry.is_symlink():
+        if entry != keep and entry.is_dir() and not entry.is_symlink():
             log.info("removing unused binaries copy", extra={"path": str(entry)})
             shutil.rmtree(entry, ignore_errors=True)
 
@@ -841,21 +859,23 @@ def _wait_for_server_processes_to_exit(pgdata: Path, timeout: float = 10.0) -> N
     """Backends of a killed postmaster notice its death and exit on their own, but a new
     postmaster started before they are gone would find the old shared memory still in use."""
     deadline = time.monotonic() + timeout
-    while lingering := _processes_working_in(pgdata):
+    while lingering := _postgres_processes_in(pgdata):
         if time.monotonic() > deadline:
             log.warning("old postgres processes still running", extra={"pgdata": str(pgdata), "pids": lingering})
             return
         time.sleep(POLL_INTERVAL)
 
 
-def _processes_working_in(directory: Path) -> list[int]:
-    """Live processes whose cwd is `directory` (every postgres process chdirs to PGDATA)."""
-    target = os.path.realpath(directory)
+def _postgres_processes_in(pgdata: Path) -> list[int]:
+    """Live postgres processes whose cwd is `pgdata` (every postgres process chdirs to PGDATA;
+    checking the name too ignores an admin's shell sitting in that directory)."""
+    target = os.path.realpath(pgdata)
     pids = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             with contextlib.suppress(OSError):
-                if os.readlink(entry / "cwd") == target and _is_running(int(entry.name)):
+                if (os.readlink(entry / "cwd") == target and (entry / "comm").read_text().strip() == "postgres"
+                        and _is_running(int(entry.name))):
                     pids.append(int(entry.name))
     return pids
 
@@ -958,4 +978,7 @@ def _tail(text: str, lines: int = LOG_TAIL_LINES) -> str:
 
 
 def _conninfo_quote(value: str) -> str:
+    """libpq conninfo quoting, only where the value needs it (keeps the command readable)."""
+    if value and not any(ch in value for ch in " '\\\t\n"):
+        return value
     return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"

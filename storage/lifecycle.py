@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import asyncpg
 
 from storage.bridge import Database, PoolSettings
-from storage.cluster import ClusterSettings, PostgresCluster
+from storage.cluster import ClusterSettings, DataDirInUse, PostgresCluster
 from storage.migrations import migrate
 
 log = logging.getLogger("scopewire.storage")
@@ -26,17 +26,8 @@ class Target:
     cluster: PostgresCluster | None = None
 
 
-@contextlib.contextmanager
-def provisioned(config) -> Iterator[Target]:  # config: server.config.DatabaseConfig
-    """Start the embedded cluster (or use the external URL) for the duration.
-
-    Synchronous and meant for the main thread: the postmaster's parent-death
-    signal is tied to the thread that started it.
-    """
-    if config.database_url:
-        yield Target(admin_dsn=None, dsn=config.database_url)
-        return
-    cluster = PostgresCluster(
+def embedded_cluster(config) -> PostgresCluster:  # config: server.config.DatabaseConfig
+    return PostgresCluster(
         ClusterSettings(
             data_dir=config.data_dir,
             binaries=config.pg_binaries,
@@ -44,7 +35,31 @@ def provisioned(config) -> Iterator[Target]:  # config: server.config.DatabaseCo
             run_as=config.pg_run_as,
         )
     )
-    cluster.start()
+
+
+@contextlib.contextmanager
+def provisioned(config, *, share_running: bool = False) -> Iterator[Target]:
+    """Start the embedded cluster (or use the external URL) for the duration.
+
+    With `share_running`, a cluster already run by another scopewire process on
+    the same data dir is used as it is (e.g. `migrate` beside a running `serve`);
+    without it, that case raises DataDirInUse.
+
+    Synchronous and meant for the main thread: the postmaster's parent-death
+    signal is tied to the thread that started it.
+    """
+    if config.database_url:
+        yield Target(admin_dsn=None, dsn=config.database_url)
+        return
+    cluster = embedded_cluster(config)
+    try:
+        cluster.start()
+    except DataDirInUse:
+        if not share_running:
+            raise
+        log.info("data dir in use by a running scopewire; using its cluster", extra={"data_dir": str(config.data_dir)})
+        yield Target(admin_dsn=cluster.dsn("postgres"), dsn=cluster.dsn(config.database_name))
+        return
     try:
         yield Target(admin_dsn=cluster.dsn("postgres"), dsn=cluster.dsn(config.database_name), cluster=cluster)
     finally:

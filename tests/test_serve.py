@@ -1,0 +1,175 @@
+"""`scopewire serve` and friends as a user runs them: real processes, real sockets."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import asyncpg
+import pytest
+import trio
+import trio_websocket
+
+from storage.cluster import ClusterSettings, PostgresCluster
+
+SCOPEWIRE = [sys.executable, "-m", "server.cli"]
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def data_dir() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="scopewire-serve-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+class Served:
+    def __init__(self, process: trio.Process, port: int, stderr_path: Path) -> None:
+        self.process = process
+        self.port = port
+        self.stderr_path = stderr_path
+
+    @property
+    def url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}"
+
+
+async def start_serve(data_dir: Path, *extra: str) -> Served:
+    stderr_path = data_dir.parent / f"{data_dir.name}.stderr"
+    stderr = open(stderr_path, "ab")
+    process = await trio.lowlevel.open_process(
+        [*SCOPEWIRE, "serve", "--data-dir", str(data_dir), "--port", "0", *extra],
+        stdout=subprocess.PIPE, stderr=stderr, cwd=PROJECT_ROOT,
+    )
+    stderr.close()
+    line = b""
+    with trio.fail_after(90):
+        while not line.endswith(b"\n"):
+            chunk = await process.stdout.receive_some(1)
+            if not chunk:
+                raise AssertionError(f"serve exited before ready: {stderr_path.read_text()[-3000:]}")
+            line += chunk
+    text = line.decode().strip()
+    assert text.startswith("scopewire ready on ws://127.0.0.1:"), text
+    return Served(process, int(text.rsplit(":", 1)[1]), stderr_path)
+
+
+async def stop_serve(served: Served, sig: int = signal.SIGTERM) -> int:
+    served.process.send_signal(sig)
+    with trio.fail_after(60):
+        return await served.process.wait()
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*SCOPEWIRE, *args], capture_output=True, text=True, timeout=120, cwd=PROJECT_ROOT)
+
+
+async def ping(url: str) -> dict:
+    async with trio_websocket.open_websocket_url(url) as ws:
+        await ws.send_message(json.dumps({"op": "ping", "id": "p1"}))
+        return json.loads(await ws.get_message())
+
+
+async def with_scopewire_db(data_dir: Path, fn):
+    """Connect to the cluster a running serve owns, the way `scopewire db url` does."""
+    dsn = PostgresCluster(ClusterSettings(data_dir=data_dir)).dsn("scopewire")
+
+    def run() -> object:
+        import asyncio
+
+        async def go():
+            c = await asyncpg.connect(dsn)
+            try:
+                return await fn(c)
+            finally:
+                await c.close()
+
+        return asyncio.run(go())
+
+    return await trio.to_thread.run_sync(run)
+
+
+async def test_serve_answers_ping_and_stops_cleanly_on_sigterm_and_sigint(data_dir: Path):
+    served = await start_serve(data_dir)
+    reply = await ping(served.url)
+    assert reply["type"] == "result" and reply["id"] == "p1" and reply["op"] == "ping"
+    assert reply["data"]["protocol_version"] == 1
+    assert await stop_serve(served) == 0
+    logs = [json.loads(line) for line in served.stderr_path.read_text().splitlines() if line.startswith("{")]
+    assert {"shutting down", "postgres stopped", "stopped"} <= {entry["msg"] for entry in logs}
+    # No postmaster is left behind.
+    assert not (data_dir / "pg" / "postmaster.pid").exists()
+
+    served = await start_serve(data_dir)
+    assert await stop_serve(served, signal.SIGINT) == 0
+
+
+async def test_data_survives_restart_and_schema_has_no_drift(data_dir: Path):
+    served = await start_serve(data_dir)
+    await with_scopewire_db(data_dir, lambda c: c.execute(
+        "INSERT INTO accounts (id, email_normalized, display_name) VALUES ('acc_0000000000000a', 'a@b.c', 'A')"))
+    assert await stop_serve(served) == 0
+
+    verified = run_cli("verify-schema", "--data-dir", str(data_dir))
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    assert "schema matches" in verified.stdout
+
+    served = await start_serve(data_dir)
+    count = await with_scopewire_db(data_dir, lambda c: c.fetchval("SELECT count(*) FROM accounts"))
+    assert count == 1
+    # Beside a running serve, the CLI uses its cluster.
+    assert "up to date" in run_cli("migrate", "--data-dir", str(data_dir)).stdout
+    await with_scopewire_db(data_dir, lambda c: c.execute("ALTER TABLE accounts DROP COLUMN avatar_url"))
+    drifted = run_cli("verify-schema", "--data-dir", str(data_dir))
+    assert drifted.returncode == 1
+    assert "missing column accounts.avatar_url" in drifted.stdout
+    url = run_cli("db", "url", "--data-dir", str(data_dir))
+    assert url.returncode == 0 and "dbname=scopewire" in url.stdout
+    # The printed command really connects.
+    psql = subprocess.run(url.stdout.strip() + " -Atc 'SELECT count(*) FROM accounts'", shell=True,
+                          capture_output=True, text=True, timeout=60)
+    assert psql.stdout.strip() == "1", psql.stderr
+    assert await stop_serve(served) == 0
+
+
+async def test_kill_dash_nine_then_start_recovers(data_dir: Path):
+    served = await start_serve(data_dir)
+    await with_scopewire_db(data_dir, lambda c: c.execute(
+        "INSERT INTO accounts (id, email_normalized, display_name) VALUES ('acc_0000000000000b', 'b@b.c', 'B')"))
+    postmaster_pid = int((data_dir / "pg" / "postmaster.pid").read_text().split()[0])
+    served.process.kill()
+    await served.process.wait()
+    os.kill(postmaster_pid, signal.SIGKILL)
+
+    served = await start_serve(data_dir)
+    assert (await ping(served.url))["type"] == "result"
+    assert await with_scopewire_db(data_dir, lambda c: c.fetchval("SELECT count(*) FROM accounts")) == 1
+    assert await stop_serve(served) == 0
+
+
+async def test_kill_dash_nine_of_server_alone_leaves_no_orphan_postmaster(data_dir: Path):
+    served = await start_serve(data_dir)
+    postmaster_pid = int((data_dir / "pg" / "postmaster.pid").read_text().split()[0])
+    served.process.kill()
+    await served.process.wait()
+    # The postmaster follows its parent down (parent-death signal) or is stopped by the next start.
+    served = await start_serve(data_dir)
+    new_pid = int((data_dir / "pg" / "postmaster.pid").read_text().split()[0])
+    assert new_pid != postmaster_pid
+    assert await stop_serve(served) == 0
+
+
+async def test_second_serve_on_one_data_dir_fails_clearly(data_dir: Path):
+    served = await start_serve(data_dir)
+    second = await trio.to_thread.run_sync(lambda: run_cli("serve", "--data-dir", str(data_dir), "--port", "0"))
+    assert second.returncode != 0
+    assert "in use" in second.stderr
+    assert (await ping(served.url))["type"] == "result"
+    assert await stop_serve(served) == 0
