@@ -19,6 +19,8 @@ class ErrorCode(str, enum.Enum):
     IDEMPOTENCY_CONFLICT = "idempotency_conflict"  # same client key, different payload
     CONFLICT = "conflict"                        # state changed underneath (expected revision, uniqueness)
     INVALID = "invalid"                          # well-typed but semantically invalid argument
+    EDITION_LIMIT = "edition_limit"              # the edition policy forbids it (a second workspace)
+    FENCED = "fenced"                            # stale execution generation or write-fenced workspace
     RATE_LIMITED = "rate_limited"
     TOO_LARGE = "too_large"
     SLOW_CONSUMER = "slow_consumer"

@@ -1,4 +1,11 @@
-"""The WebSocket server: accept connections, decode frames, dispatch, reply.
+"""The WebSocket server: accept connections, authenticate, dispatch, reply.
+
+A connection must authenticate (`login`, `auth` or `invitation.accept`)
+within `auth_timeout_seconds`, or it is closed with 4401.  Every later
+command re-validates its credential and its workspace membership.  Credential
+revocations committed anywhere (this process or another) arrive over
+LISTEN/NOTIFY and close the affected connections with 4403 within one
+notification round trip.
 
 Shutdown order (SIGINT/SIGTERM or cancellation of `run`): stop accepting, close
 every live connection with 1001 "going away", then let the caller stop the
@@ -7,8 +14,10 @@ actors and the database.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -19,87 +28,245 @@ import trio_websocket
 from protocol import frames
 from protocol.codec import decode_request, encode, error_frame
 from protocol.errors import ErrorCode, ProtocolError
+from server import handlers
+from server.auth import Authenticator
 from server.config import ServerConfig
+from server.context import Principal
+from storage import tenancy
 from storage.bridge import Database
-from storage.errors import DatabaseUnavailable
+from storage.errors import Conflict, DatabaseUnavailable, Forbidden, NotFound, WriteFenced
+from storage.ids import new_id
 
 log = logging.getLogger("scopewire.server")
 
 MSGPACK_SUBPROTOCOL = "scopewire.msgpack"
 JSON_SUBPROTOCOL = "scopewire.json"
-MAX_FRAME_BYTES = 256 * 1024
+
+
+@dataclass(eq=False)
+class Connection:
+    ws: trio_websocket.WebSocketConnection
+    binary: bool
+    id: str = field(default_factory=lambda: new_id("con"))
+    principal: Principal | None = None
+    session_expires_at: float | None = None
+    closing: bool = False
+
+    async def send(self, frame: Any) -> None:
+        payload = encode(frame, binary=self.binary)
+        await self.ws.send_message(payload if self.binary else payload.decode())
+
+    async def close(self, code: int, reason: str) -> None:
+        self.closing = True
+        await self.ws.aclose(code, reason)
+
+
+class ConnectionRegistry:
+    """Live authenticated connections, indexed by what can revoke them."""
+
+    def __init__(self) -> None:
+        self.all: set[Connection] = set()
+        self._by_account: dict[str, set[Connection]] = defaultdict(set)
+        self._by_api_key: dict[str, set[Connection]] = defaultdict(set)
+        self._by_key_member: dict[str, set[Connection]] = defaultdict(set)
+
+    def add(self, connection: Connection) -> None:
+        self.all.add(connection)
+
+    def authenticated(self, connection: Connection) -> None:
+        principal = connection.principal
+        assert principal is not None
+        if principal.kind == "api_key":
+            self._by_api_key[principal.api_key_id].add(connection)
+            self._by_key_member[principal.key_member_id].add(connection)
+        elif principal.account_id is not None:
+            self._by_account[principal.account_id].add(connection)
+
+    def remove(self, connection: Connection) -> None:
+        self.all.discard(connection)
+        principal = connection.principal
+        if principal is None:
+            return
+        for index, key in ((self._by_account, principal.account_id), (self._by_api_key, principal.api_key_id),
+                           (self._by_key_member, principal.key_member_id)):
+            if key is not None and key in index:
+                index[key].discard(connection)
+                if not index[key]:
+                    del index[key]
+
+    def sessions_of(self, account_id: str) -> list[Connection]:
+        return [c for c in self._by_account.get(account_id, ()) if c.principal.kind == "account"]
+
+    def of_api_key(self, api_key_id: str) -> list[Connection]:
+        return list(self._by_api_key.get(api_key_id, ()))
+
+    def of_key_member(self, member_id: str) -> list[Connection]:
+        return list(self._by_key_member.get(member_id, ()))
 
 
 @dataclass
 class Server:
     config: ServerConfig
     db: Database
-    connections: set[trio_websocket.WebSocketConnection] = field(default_factory=set)
+    auth: Authenticator
+    registry: ConnectionRegistry = field(default_factory=ConnectionRegistry)
     port: int | None = None
+    _edition: str | None = None
+
+    async def edition(self) -> str | None:
+        if self._edition is None:
+            self._edition = await self.db.run(tenancy.instance_edition)
+        return self._edition
 
     async def run(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve until cancelled; then close every connection before returning."""
-        async with trio.open_nursery() as handlers:
+        async with trio.open_nursery() as handlers_nursery:
             try:
-                async with trio.open_nursery() as listener:
-                    ws_server = await listener.start(
+                async with trio.open_nursery() as background:
+                    await background.start(self._watch_revocations)
+                    ws_server = await background.start(
                         partial(
                             trio_websocket.serve_websocket,
                             self._handle,
                             self.config.host,
                             self.config.port,
                             None,
-                            handler_nursery=handlers,
-                            max_message_size=MAX_FRAME_BYTES,
+                            handler_nursery=handlers_nursery,
+                            max_message_size=self.config.max_frame_bytes,
                         )
                     )
                     self.port = ws_server.port
                     task_status.started(ws_server.port)
-                    await trio.sleep_forever()
             finally:
                 with trio.CancelScope(shield=True):
-                    await self._close_all()
-                handlers.cancel_scope.cancel()
+                    await self._close_all(frames.CLOSE_GOING_AWAY, "server shutting down")
+                handlers_nursery.cancel_scope.cancel()
 
-    async def _close_all(self) -> None:
+    async def _close_all(self, code: int, reason: str) -> None:
         with trio.move_on_after(self.config.shutdown_grace_seconds):
             async with trio.open_nursery() as closers:
-                for ws in list(self.connections):
-                    closers.start_soon(ws.aclose, 1001, "server shutting down")
+                for connection in list(self.registry.all):
+                    closers.start_soon(connection.close, code, reason)
+
+    # --- connections -------------------------------------------------------------------
 
     async def _handle(self, request: trio_websocket.WebSocketRequest) -> None:
         offered = request.proposed_subprotocols
         subprotocol = next((p for p in (MSGPACK_SUBPROTOCOL, JSON_SUBPROTOCOL) if p in offered), None)
         ws = await request.accept(subprotocol=subprotocol)
-        binary = subprotocol == MSGPACK_SUBPROTOCOL
-        self.connections.add(ws)
+        connection = Connection(ws=ws, binary=subprotocol == MSGPACK_SUBPROTOCOL)
+        self.registry.add(connection)
         try:
-            await self._serve_connection(ws, binary)
+            await self._serve_connection(connection)
         except trio_websocket.ConnectionClosed:
             pass
         finally:
-            self.connections.discard(ws)
+            self.registry.remove(connection)
 
-    async def _serve_connection(self, ws: trio_websocket.WebSocketConnection, binary: bool) -> None:
+    async def _serve_connection(self, connection: Connection) -> None:
+        auth_deadline = trio.current_time() + self.config.auth_timeout_seconds
         while True:
-            raw = await ws.get_message()
-            request_id: str | None = None
-            try:
-                request = decode_request(raw, binary=binary)
-                request_id = request.id
-                reply: Any = frames.Result(id=request.id, op=type(request).__struct_config__.tag,
-                                           data=await self._dispatch(request))
-            except ProtocolError as exc:
-                reply = error_frame(exc, request_id if request_id is not None else exc.details.get("id"))
-            except DatabaseUnavailable:
-                reply = error_frame(ProtocolError(ErrorCode.UNAVAILABLE, "database unavailable, retry"), request_id)
-            except Exception:
-                log.exception("request failed", extra={"request_id": request_id})
-                reply = error_frame(ProtocolError(ErrorCode.INTERNAL, "internal error"), request_id)
-            payload = encode(reply, binary=binary)
-            await ws.send_message(payload if binary else payload.decode())
+            raw = None
+            with trio.move_on_at(auth_deadline if connection.principal is None else float("inf")):
+                raw = await connection.ws.get_message()
+            if raw is None:
+                await connection.send(error_frame(ProtocolError(ErrorCode.UNAUTHENTICATED, "authentication timeout"),
+                                                  None))
+                await connection.close(frames.CLOSE_UNAUTHENTICATED, "authentication timeout")
+                return
+            await connection.send(await self._answer(connection, raw))
+            if connection.closing:
+                return
 
-    async def _dispatch(self, request: frames.Request) -> Any:
-        if isinstance(request, frames.Ping):
-            return frames.PingResult(server_time_ms=time.time_ns() // 1_000_000)
-        raise ProtocolError(ErrorCode.UNKNOWN_OP, "unknown op")
+    async def _answer(self, connection: Connection, raw: str | bytes) -> Any:
+        request_id: str | None = None
+        try:
+            request = decode_request(raw, binary=connection.binary)
+            request_id = request.id
+            data = await handlers.dispatch(self, connection, request)
+            return frames.Result(id=request.id, op=frames.op_of(request), data=data)
+        except ProtocolError as exc:
+            return error_frame(exc, request_id if request_id is not None else exc.details.get("id"))
+        except NotFound as exc:
+            return error_frame(ProtocolError(ErrorCode.NOT_FOUND, f"{exc} not found"), request_id)
+        except Conflict as exc:
+            code = ErrorCode.EDITION_LIMIT if exc.reason == "edition_limit" else ErrorCode.CONFLICT
+            return error_frame(ProtocolError(code, str(exc), details={"reason": exc.reason}), request_id)
+        except Forbidden as exc:
+            return error_frame(ProtocolError(ErrorCode.FORBIDDEN, str(exc)), request_id)
+        except WriteFenced:
+            return error_frame(ProtocolError(ErrorCode.FENCED, "the workspace is fenced for writes; reconnect"),
+                               request_id)
+        except DatabaseUnavailable:
+            return error_frame(ProtocolError(ErrorCode.UNAVAILABLE, "database unavailable, retry"), request_id)
+        except Exception:
+            log.exception("request failed", extra={"request_id": request_id, "connection": connection.id})
+            return error_frame(ProtocolError(ErrorCode.INTERNAL, "internal error"), request_id)
+
+    def authenticated(self, connection: Connection, principal: Principal, expires_at: float | None) -> None:
+        if connection.principal is not None:
+            self.registry.remove(connection)
+            self.registry.add(connection)
+        connection.principal = principal
+        connection.session_expires_at = expires_at
+        self.registry.authenticated(connection)
+
+    # --- revocation ----------------------------------------------------------------------
+
+    async def _watch_revocations(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Close connections whose credential was revoked (any process) or whose
+        session expired.  Wakes at least every `expiry_sweep_seconds`."""
+        async with self.db.listen(tenancy.AUTH_CHANNEL) as notifications:
+            task_status.started()
+            while True:
+                note = None
+                with trio.move_on_after(self.config.expiry_sweep_seconds):
+                    note = await notifications.receive()
+                if note is not None:
+                    if note.resync:
+                        await self._revalidate(list(self.registry.all))
+                    if note.payload:
+                        await self._apply_auth_event(json.loads(note.payload))
+                await self._close_expired()
+
+    async def _apply_auth_event(self, event: dict) -> None:
+        kind = event.get("kind")
+        if kind == "account":
+            await self._revalidate(self.registry.sessions_of(event["account_id"]))
+        elif kind == "api_key":
+            await self._revalidate(self.registry.of_api_key(event["api_key_id"]))
+        elif kind == "membership":
+            await self._revalidate(self.registry.of_key_member(event["member_id"]))
+        elif kind == "workspace":
+            await self._revalidate([c for c in self.registry.all
+                                    if c.principal is not None and c.principal.key_workspace_id == event["workspace_id"]])
+
+    async def _revalidate(self, connections: list[Connection]) -> None:
+        revoked: list[tuple[Connection, str]] = []
+        for connection in connections:
+            principal = connection.principal
+            if principal is None or connection.closing:
+                continue
+            try:
+                await self.auth.revalidate(principal)
+                if principal.kind == "api_key":
+                    await self.auth.workspace_context(principal, None, await self.edition())
+            except ProtocolError as exc:
+                if exc.code in (ErrorCode.UNAUTHENTICATED, ErrorCode.FORBIDDEN, ErrorCode.NOT_FOUND):
+                    log.info("closing revoked connection", extra={"connection": connection.id, "why": exc.message})
+                    revoked.append((connection, exc.message[:120]))
+        await self._close_many(revoked)
+
+    async def _close_expired(self) -> None:
+        now = time.time()
+        await self._close_many([(c, "session expired") for c in list(self.registry.all)
+                                if c.session_expires_at is not None and c.session_expires_at <= now])
+
+    async def _close_many(self, targets: list[tuple[Connection, str]]) -> None:
+        """Close concurrently, so one client slow to finish the handshake delays nobody."""
+        if not targets:
+            return
+        with trio.move_on_after(self.config.shutdown_grace_seconds):
+            async with trio.open_nursery() as closers:
+                for connection, reason in targets:
+                    closers.start_soon(connection.close, frames.CLOSE_REVOKED, reason)

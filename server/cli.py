@@ -1,22 +1,32 @@
-"""`scopewire` command line: serve, migrate, verify-schema, db url."""
+"""`scopewire` command line: serve, migrate, verify-schema, db url, and the
+admin commands (init, workspace, member, invite, apikey)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import shlex
 import signal
 import sys
+from datetime import datetime
 from pathlib import Path
 
 import trio
 
 from server import logs
+from protocol.errors import ErrorCode, ProtocolError
+from server import tenancy as ops
 from server.app import Server
+from server.auth import Authenticator, system_context, system_workspace_context
+from server.credentials import load_or_create_signer
+from server.rbac import API_KEY_SCOPES
 from server.config import DatabaseConfig, ServerConfig, default_data_dir
 from storage.cluster import ClusterError
 from storage.lifecycle import embedded_cluster, open_database, provisioned
+from storage import tenancy
+from storage.errors import Conflict, NotFound
 from storage.migrations import migrate, verify
 
 log = logging.getLogger("scopewire")
@@ -61,11 +71,20 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default=_env("HOST", "127.0.0.1"))
     serve.add_argument("--port", type=int, default=int(_env("PORT", "8765")),
                        help="WebSocket port (0 picks a free one; the readiness line shows it)")
+    serve.add_argument("--auth-timeout", type=float, default=float(_env("AUTH_TIMEOUT", "10")),
+                       help="seconds a new connection has to authenticate (default: %(default)s)")
+    serve.add_argument("--session-ttl", type=int, default=int(_env("SESSION_TTL", "3600")),
+                       help="lifetime of session tokens in seconds (default: %(default)s)")
+    serve.add_argument("--session-key-file", type=Path, default=_env("SESSION_KEY_FILE"),
+                       help="Ed25519 key that signs session tokens (default: DATA_DIR/session-signing-key.pem); "
+                            "every server on one database must share it")
     _add_database_flags(serve)
 
     for name, text in (("migrate", "apply pending schema migrations"),
                        ("verify-schema", "compare the live schema with the definition; non-zero exit on drift")):
         _add_database_flags(commands.add_parser(name, help=text))
+
+    _add_admin_commands(commands)
 
     db = commands.add_parser("db", help="database helpers")
     db_commands = db.add_subparsers(dest="db_command", required=True)
@@ -85,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             return _with_database(args, _verify)
         if args.command == "db":
             return _db_url(args)
+        return _with_database(args, _run_admin)
     except ClusterError as exc:
         print(f"scopewire: {exc}", file=sys.stderr)
         return 1
@@ -93,16 +113,18 @@ def main(argv: list[str] | None = None) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     config = _database_config(args)
-    server_config = ServerConfig(host=args.host, port=args.port, log_level=args.log_level)
+    server_config = ServerConfig(host=args.host, port=args.port, log_level=args.log_level,
+                                 auth_timeout_seconds=args.auth_timeout, session_ttl_seconds=args.session_ttl)
     with provisioned(config) as target:
-        trio.run(_serve_async, target, config, server_config)
+        trio.run(_serve_async, target, config, server_config, _session_key_file(args, config))
     log.info("stopped")
     return 0
 
 
-async def _serve_async(target, config: DatabaseConfig, server_config: ServerConfig) -> None:
+async def _serve_async(target, config: DatabaseConfig, server_config: ServerConfig, key_file: Path) -> None:
+    signer = load_or_create_signer(key_file)
     async with open_database(target, config.database_name) as db:
-        server = Server(server_config, db)
+        server = Server(server_config, db, Authenticator(db, signer, server_config.session_ttl_seconds))
         async with trio.open_nursery() as nursery:
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 port = await nursery.start(server.run)
@@ -114,20 +136,175 @@ async def _serve_async(target, config: DatabaseConfig, server_config: ServerConf
             nursery.cancel_scope.cancel()
 
 
+def _session_key_file(args: argparse.Namespace, config: DatabaseConfig) -> Path:
+    return Path(args.session_key_file) if args.session_key_file else config.data_dir / "session-signing-key.pem"
+
+
 def _with_database(args: argparse.Namespace, action) -> int:
     config = _database_config(args)
     with provisioned(config, share_running=True) as target:
-        return trio.run(action, target, config)
+        return trio.run(action, target, config, args)
 
 
-async def _migrate(target, config: DatabaseConfig) -> int:
+# --- admin commands (the instance operator: every rule applies, RBAC does not) -----------------
+
+def _add_admin_commands(commands) -> None:
+    def command(group, name: str, help_text: str, *arguments: tuple[tuple, dict]) -> None:
+        parser = group.add_parser(name, help=help_text)
+        for flags, options in arguments:
+            parser.add_argument(*flags, **options)
+        _add_database_flags(parser)
+
+    def arg(*flags: str, **options: object) -> tuple[tuple, dict]:
+        return flags, options
+
+    workspace_flag = arg("--workspace", required=True, help="workspace id or slug")
+
+    command(commands, "init", "create the first account, the workspace and its owner (once)",
+            arg("--email", required=True), arg("--name", required=True, help="the owner's display name"),
+            arg("--workspace-name", required=True), arg("--workspace-slug", required=True),
+            arg("--edition", choices=("single", "multi"), default="single",
+                help="single-workspace (default) or multi-workspace instance"))
+
+    workspace = commands.add_parser("workspace", help="workspaces").add_subparsers(dest="admin", required=True)
+    command(workspace, "create", "create a workspace (multi-workspace edition)",
+            arg("--name", required=True), arg("--slug", required=True), arg("--owner-email", required=True),
+            arg("--owner-name"))
+    command(workspace, "list", "list every workspace")
+    command(workspace, "suspend", "suspend a workspace (its members get forbidden)", arg("workspace"))
+    command(workspace, "resume", "make a suspended workspace active again", arg("workspace"))
+    command(workspace, "fence", "write-fence a workspace and/or advance its execution generation",
+            arg("workspace"), arg("--new-generation", action="store_true"),
+            arg("--unfence", action="store_true", help="lift the write fence"))
+
+    member = commands.add_parser("member", help="members").add_subparsers(dest="admin", required=True)
+    command(member, "list", "list a workspace's members", workspace_flag)
+    command(member, "role", "change a member's role", workspace_flag, arg("member", help="member id, handle or email"),
+            arg("role", choices=("admin", "developer", "operator", "viewer")))
+    command(member, "create-agent", "create an agent member owned by a human", workspace_flag,
+            arg("--owner", required=True, help="owner member id, handle or email"), arg("--handle", required=True),
+            arg("--name", required=True), arg("--visibility", choices=("public", "private"), default="private"))
+    command(member, "create-service", "create a service identity member", workspace_flag,
+            arg("--handle", required=True), arg("--name", required=True))
+
+    invite = commands.add_parser("invite", help="invitations").add_subparsers(dest="admin", required=True)
+    command(invite, "create", "invite an email; prints the one-time token", workspace_flag,
+            arg("--email", required=True), arg("--role", choices=("admin", "developer", "operator", "viewer"),
+                                               default="viewer"),
+            arg("--expires-in", type=int, default=7 * 24 * 3600, help="seconds (default: 7 days)"))
+    command(invite, "list", "list invitations", workspace_flag)
+    command(invite, "revoke", "revoke a pending invitation", workspace_flag, arg("invitation"))
+
+    apikey = commands.add_parser("apikey", help="API keys").add_subparsers(dest="admin", required=True)
+    command(apikey, "create", "create an API key for a member; prints the key once", workspace_flag,
+            arg("--member", required=True, help="member id, handle or email"), arg("--name", default="cli"),
+            arg("--scopes", default="read,write", help="comma-separated: read, write, admin"),
+            arg("--expires-in", type=int, help="seconds (default: never)"))
+    command(apikey, "list", "list API keys", workspace_flag)
+    command(apikey, "revoke", "revoke an API key", workspace_flag, arg("key"))
+
+
+def _json_default(value: object) -> object:
+    if isinstance(value, datetime):
+        return value.isoformat()
+    return str(value)
+
+
+def _print_json(value: object) -> None:
+    print(json.dumps(value, default=_json_default, indent=2, ensure_ascii=False))
+
+
+async def _run_admin(target, config: DatabaseConfig, args: argparse.Namespace) -> int:
+    async with open_database(target, config.database_name) as db:
+        try:
+            result = await _admin_action(db, args)
+        except ProtocolError as exc:
+            print(f"scopewire: {exc.code.value}: {exc.message}", file=sys.stderr)
+            return 1
+        except (NotFound, Conflict) as exc:
+            print(f"scopewire: {exc}" + (" not found" if isinstance(exc, NotFound) else ""), file=sys.stderr)
+            return 1
+    _print_json(result)
+    return 0
+
+
+async def _admin_action(db, args: argparse.Namespace) -> object:
+    command = args.command if args.command == "init" else f"{args.command} {args.admin}"
+    if command == "init":
+        done = await ops.init_instance(db, email=args.email, display_name=args.name,
+                                       workspace_name=args.workspace_name, workspace_slug=args.workspace_slug,
+                                       edition=args.edition)
+        return {"workspace_id": done.workspace_id, "account_id": done.account_id, "member_id": done.member_id,
+                "email": args.email.strip().lower(), "password": done.password,
+                "note": "the password is shown only once"}
+    if command == "workspace create":
+        done = await ops.create_workspace(db, system_context(), name=args.name, slug=args.slug,
+                                          owner_email=args.owner_email, owner_display_name=args.owner_name)
+        return {"workspace_id": done.workspace_id, "owner_account_id": done.account_id,
+                "owner_member_id": done.member_id, "owner_password": done.password}
+    if command == "workspace list":
+        return [dict(r) for r in await ops.list_workspaces(db, system_context())]
+    workspace_ref = getattr(args, "workspace", None)
+    workspace_id = await db.run(tenancy.workspace_by_slug_or_id, workspace_ref)
+    ctx = system_context(await system_workspace_context(db, workspace_id))
+    if command in ("workspace suspend", "workspace resume"):
+        await ops.set_workspace_status(db, ctx, "suspended" if args.admin == "suspend" else "active")
+        return {"workspace_id": workspace_id, "status": "suspended" if args.admin == "suspend" else "active"}
+    if command == "workspace fence":
+        generation = await db.transaction(tenancy.fence_workspace, workspace_id, write_fenced=not args.unfence,
+                                          new_generation=args.new_generation)
+        return {"workspace_id": workspace_id, "write_fenced": not args.unfence, "active_generation": generation}
+    if command == "member list":
+        return [dict(r) for r in await ops.list_members(db, ctx)]
+
+    async def member(ref: str) -> str:
+        return await db.run(tenancy.member_by_handle_or_email, workspace_id, ref)
+
+    if command == "member role":
+        member_id = await member(args.member)
+        await ops.set_member_role(db, ctx, member_id, args.role)
+        return {"member_id": member_id, "role": args.role}
+    if command == "member create-agent":
+        member_id = await ops.create_agent(db, ctx, handle=args.handle, display_name=args.name,
+                                           visibility=args.visibility, owner_member_id=await member(args.owner))
+        return {"member_id": member_id, "kind": "agent"}
+    if command == "member create-service":
+        return {"member_id": await ops.create_service_member(db, ctx, handle=args.handle, display_name=args.name),
+                "kind": "service"}
+    if command == "invite create":
+        issued = await ops.create_invitation(db, ctx, email=args.email, role=args.role,
+                                             expires_in_seconds=args.expires_in)
+        return {"invitation_id": issued.invitation_id, "token": issued.token, "expires_at": issued.expires_at,
+                "note": "the token is shown only once"}
+    if command == "invite list":
+        return [dict(r) for r in await ops.list_invitations(db, ctx)]
+    if command == "invite revoke":
+        await ops.revoke_invitation(db, ctx, args.invitation)
+        return {"invitation_id": args.invitation, "status": "revoked"}
+    if command == "apikey create":
+        scopes = [s.strip() for s in args.scopes.split(",") if s.strip()]
+        if not scopes or not set(scopes) <= set(API_KEY_SCOPES):
+            raise ProtocolError(ErrorCode.INVALID, f"scopes must be among {sorted(API_KEY_SCOPES)}")
+        issued = await ops.create_api_key(db, ctx, name=args.name, member_id=await member(args.member),
+                                          scopes=scopes, expires_in_seconds=args.expires_in)
+        return {"api_key_id": issued.api_key_id, "key": issued.key, "member_id": issued.member_id,
+                "expires_at": issued.expires_at, "note": "the key is shown only once"}
+    if command == "apikey list":
+        return [dict(r) for r in await ops.list_api_keys(db, ctx)]
+    if command == "apikey revoke":
+        await ops.revoke_api_key(db, ctx, args.key)
+        return {"api_key_id": args.key, "status": "revoked"}
+    raise AssertionError(command)
+
+
+async def _migrate(target, config: DatabaseConfig, args: argparse.Namespace) -> int:
     async with open_database(target, config.database_name, apply_migrations=False) as db:
         applied = await db.run(migrate)
     print(f"applied versions: {applied}" if applied else "schema is up to date")
     return 0
 
 
-async def _verify(target, config: DatabaseConfig) -> int:
+async def _verify(target, config: DatabaseConfig, args: argparse.Namespace) -> int:
     async with open_database(target, config.database_name, apply_migrations=False) as db:
         drifts = await db.run(verify)
     for drift in drifts:

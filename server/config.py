@@ -35,3 +35,8 @@ class ServerConfig:
     port: int = 8765
     log_level: str = "info"
     shutdown_grace_seconds: float = 5.0
+    auth_timeout_seconds: float = 10.0
+    session_ttl_seconds: int = 3600
+    # How often session expiry is checked (revocations themselves arrive by NOTIFY at once).
+    expiry_sweep_seconds: float = 5.0
+    max_frame_bytes: int = 256 * 1024

@@ -60,11 +60,12 @@ def _translate(exc: BaseException) -> BaseException:
 
 
 class _Job:
-    __slots__ = ("fn", "args", "mode", "trio_task", "asyncio_task", "cancel_requested", "result")
+    __slots__ = ("fn", "args", "kwargs", "mode", "trio_task", "asyncio_task", "cancel_requested", "result")
 
-    def __init__(self, fn: UnitOfWork, args: tuple, mode: str, trio_task: Any) -> None:
+    def __init__(self, fn: UnitOfWork, args: tuple, kwargs: dict, mode: str, trio_task: Any) -> None:
         self.fn = fn
         self.args = args
+        self.kwargs = kwargs
         self.mode = mode  # "transaction" | "connection" | "loop" (no connection)
         self.trio_task = trio_task
         self.asyncio_task: asyncio.Task | None = None
@@ -173,23 +174,23 @@ class Database:
 
     # --- running units of work -------------------------------------------------------
 
-    async def run(self, fn: UnitOfWork[T], *args: Any) -> T:
-        """Run `fn(conn, *args)` with a pooled connection, outside a transaction."""
-        return await self._submit(fn, args, "connection")
+    async def run(self, fn: UnitOfWork[T], *args: Any, **kwargs: Any) -> T:
+        """Run `fn(conn, *args, **kwargs)` with a pooled connection, outside a transaction."""
+        return await self._submit(fn, args, kwargs, "connection")
 
-    async def transaction(self, fn: UnitOfWork[T], *args: Any) -> T:
-        """Run `fn(conn, *args)` inside one transaction (committed if fn returns)."""
-        return await self._submit(fn, args, "transaction")
+    async def transaction(self, fn: UnitOfWork[T], *args: Any, **kwargs: Any) -> T:
+        """Run `fn(conn, *args, **kwargs)` inside one transaction (committed if fn returns)."""
+        return await self._submit(fn, args, kwargs, "transaction")
 
     async def _call_on_loop(self, fn: Callable[[], Awaitable[T]]) -> T:
         """Run a pool-less coroutine on the loop (lifecycle operations)."""
 
-        return await self._submit(fn, (), "loop")
+        return await self._submit(fn, (), {}, "loop")
 
-    async def _submit(self, fn: UnitOfWork[T], args: tuple, mode: str) -> T:
+    async def _submit(self, fn: UnitOfWork[T], args: tuple, kwargs: dict, mode: str) -> T:
         if self._loop is None or (self._closed and mode != "loop"):
             raise DatabaseUnavailable("database bridge is not running")
-        job = _Job(fn, args, mode, trio.lowlevel.current_task())
+        job = _Job(fn, args, kwargs, mode, trio.lowlevel.current_task())
         self._submissions.append(job)
         if not self._submit_wake_pending:
             self._submit_wake_pending = True
@@ -237,9 +238,9 @@ class Database:
                 async with self._pool.acquire() as conn:
                     if job.mode == "transaction":
                         async with conn.transaction():
-                            value = await job.fn(conn, *job.args)
+                            value = await job.fn(conn, *job.args, **job.kwargs)
                     else:
-                        value = await job.fn(conn, *job.args)
+                        value = await job.fn(conn, *job.args, **job.kwargs)
             result: outcome.Outcome = outcome.Value(value)
         except asyncio.CancelledError as exc:
             result = outcome.Error(exc)

@@ -12,3 +12,24 @@ class DatabaseUnavailable(StorageError):
 
 class SchemaDrift(StorageError):
     """The live database does not match the schema definition."""
+
+
+class NotFound(StorageError):
+    """Missing, or in another workspace: callers must not be able to tell which."""
+
+
+class Conflict(StorageError):
+    """The write contradicts current state (already used, last owner, duplicate...)."""
+
+    def __init__(self, reason: str, message: str | None = None) -> None:
+        super().__init__(message or reason)
+        self.reason = reason
+
+
+class WriteFenced(StorageError):
+    """The caller's execution generation is stale or the workspace is write-fenced;
+    nothing was committed (workspace-multi-tenant.md §10.3)."""
+
+
+class Forbidden(StorageError):
+    """Exists in the caller's workspace, but the state forbids it (e.g. suspended)."""

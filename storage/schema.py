@@ -54,6 +54,24 @@ DELIVERY_POLICIES = (
 
 # --- tenancy (workspace-multi-tenant.md §10) --------------------------------------------
 
+# One row, written by `scopewire init` in the same transaction as the first
+# account, workspace and owner membership (§4.2): the instance's identity and
+# edition policy.
+instance_metadata = Table(
+    "instance_metadata",
+    columns=(
+        Column("singleton", "boolean", default="true"),
+        Column("instance_id", "text"),
+        Column("edition", "text"),
+        Column("initialized_at", TS, default=NOW),
+    ),
+    primary_key=("singleton",),
+    checks=(
+        Check("instance_metadata_singleton_true", "singleton"),
+        enum_check("instance_metadata", "edition", ("single", "multi")),
+    ),
+)
+
 accounts = Table(
     "accounts",
     columns=(
@@ -697,6 +715,7 @@ conversation_member_states = Table(
 
 SCHEMA = Schema(
     tables=(
+        instance_metadata,
         accounts,
         local_credentials,
         workspaces,

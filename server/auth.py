@@ -1,0 +1,181 @@
+"""Authentication and workspace resolution: credential → Principal →
+WorkspaceContext, with the error semantics of workspace-multi-tenant.md §9.5:
+missing or other-workspace → not_found; same workspace, not permitted →
+forbidden; no workspace where one is needed → workspace_required; inactive
+membership or suspended workspace → forbidden."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import asyncpg
+import trio
+
+from protocol.errors import ErrorCode, ProtocolError
+from server.context import SYSTEM, Principal, RequestContext, WorkspaceContext
+from server.credentials import (
+    DUMMY_PASSWORD_HASH,
+    InvalidToken,
+    SessionSigner,
+    secret_hash,
+    verify_password,
+)
+from server.rbac import Permission, Role, key_scope_permissions, permissions_for
+from storage import tenancy
+from storage.bridge import Database
+from storage.ids import is_valid_id
+
+
+def unauthenticated(message: str = "invalid credentials") -> ProtocolError:
+    return ProtocolError(ErrorCode.UNAUTHENTICATED, message)
+
+
+def normalize_email(email: str) -> str:
+    normalized = email.strip().lower()
+    local, _, domain = normalized.partition("@")
+    if not local or not domain or " " in normalized:
+        raise ProtocolError(ErrorCode.INVALID, "not an email address")
+    return normalized
+
+
+@dataclass(frozen=True)
+class Session:
+    token: str
+    expires_at: int
+    principal: Principal
+
+
+class Authenticator:
+    def __init__(self, db: Database, signer: SessionSigner, session_ttl_seconds: int) -> None:
+        self.db = db
+        self.signer = signer
+        self.session_ttl_seconds = session_ttl_seconds
+
+    def issue(self, account_id: str, token_version: int) -> Session:
+        token, claims = self.signer.issue(account_id, token_version, self.session_ttl_seconds)
+        return Session(token, claims.exp, Principal(kind="account", account_id=account_id, token_version=token_version))
+
+    async def login(self, email: str, password: str) -> Session:
+        row = await self.db.run(tenancy.account_for_login, normalize_email(email))
+        stored = row["password_hash"] if row is not None and row["password_hash"] else DUMMY_PASSWORD_HASH
+        # scrypt is deliberately slow: keep it off the event loop.
+        matches = await trio.to_thread.run_sync(verify_password, password, stored)
+        if row is None or not matches or row["status"] != "active":
+            raise unauthenticated("invalid email or password")
+        return self.issue(row["id"], row["token_version"])
+
+    async def check_password(self, account_id: str, email: str, password: str) -> bool:
+        row = await self.db.run(tenancy.account_for_login, email)
+        if row is None or row["id"] != account_id or not row["password_hash"]:
+            return False
+        return await trio.to_thread.run_sync(verify_password, password, row["password_hash"])
+
+    async def from_token(self, token: str) -> tuple[Principal, int]:
+        """The principal of a valid, unrevoked session token, and its expiry."""
+        try:
+            claims = self.signer.verify(token)
+        except InvalidToken as exc:
+            raise unauthenticated(str(exc)) from None
+        principal = Principal(kind="account", account_id=claims.sub, token_version=claims.token_version)
+        await self.revalidate(principal, expires_at=claims.exp)
+        return principal, claims.exp
+
+    async def from_api_key(self, key: str) -> tuple[Principal, WorkspaceContext]:
+        row = await self.db.transaction(tenancy.api_key_context, secret_hash(key))
+        if row is None:
+            raise unauthenticated("invalid API key")
+        principal = Principal(kind="api_key", account_id=row["account_id"], api_key_id=row["api_key_id"],
+                              key_workspace_id=row["workspace_id"], key_member_id=row["member_id"],
+                              key_scopes=tuple(row["scopes"]))
+        return principal, _api_key_workspace_context(row, principal)
+
+    async def revalidate(self, principal: Principal, expires_at: float | None = None) -> None:
+        """The credential is still good: not revoked, not expired, account active."""
+        if principal.kind == "account":
+            if expires_at is not None and expires_at <= time.time():
+                raise unauthenticated("session token expired")
+            row = await self.db.run(tenancy.account_session_state, principal.account_id)
+            if row is None or row["status"] != "active" or row["token_version"] != principal.token_version:
+                raise unauthenticated("session token revoked")
+        elif principal.kind == "api_key":
+            row = await self.db.run(tenancy.api_key_state, principal.api_key_id)
+            if row is None or row["status"] != "active" or (
+                    row["expires_at"] is not None and row["expires_at"].timestamp() <= time.time()):
+                raise unauthenticated("API key revoked or expired")
+
+    async def workspace_context(self, principal: Principal, requested: str | None,
+                                edition: str | None) -> WorkspaceContext:
+        """Resolve and re-validate the workspace a request acts in."""
+        if requested is not None and not is_valid_id(requested, "wsp"):
+            raise ProtocolError(ErrorCode.NOT_FOUND, "workspace not found")
+        if principal.kind == "api_key":
+            # A key cannot select another workspace; naming one answers not_found.
+            if requested is not None and requested != principal.key_workspace_id:
+                raise ProtocolError(ErrorCode.NOT_FOUND, "workspace not found")
+            row = await self.db.run(tenancy.api_key_context_by_id, principal.api_key_id)
+            if row is None:
+                raise unauthenticated("API key revoked")
+            return _api_key_workspace_context(row, principal)
+        if principal.kind == "system":
+            if requested is None:
+                raise ProtocolError(ErrorCode.WORKSPACE_REQUIRED, "name a workspace")
+            return await system_workspace_context(self.db, requested)
+        assert principal.account_id is not None
+        if requested is None:
+            if edition != "single":
+                raise ProtocolError(ErrorCode.WORKSPACE_REQUIRED, "this request needs a workspace_id")
+            requested = await self.db.run(tenancy.only_workspace_of, principal.account_id)
+            if requested is None:
+                raise ProtocolError(ErrorCode.NOT_FOUND, "workspace not found")
+        row = await self.db.run(tenancy.account_workspace_context, principal.account_id, requested)
+        return _account_workspace_context(row)
+
+
+def _check_workspace_row(row: asyncpg.Record | None) -> None:
+    if row is None or row["workspace_status"] == "deleted":
+        raise ProtocolError(ErrorCode.NOT_FOUND, "workspace not found")
+    if row["workspace_status"] != "active":
+        raise ProtocolError(ErrorCode.FORBIDDEN, f"the workspace is {row['workspace_status']}")
+    if row["member_status"] != "active" or (row["membership_status"] not in (None, "active")):
+        raise ProtocolError(ErrorCode.FORBIDDEN, "your membership is not active")
+
+
+def _account_workspace_context(row: asyncpg.Record | None) -> WorkspaceContext:
+    _check_workspace_row(row)
+    assert row is not None
+    role = Role(row["role"])
+    return WorkspaceContext(
+        workspace_id=row["workspace_id"], member_id=row["member_id"], member_kind=row["member_kind"],
+        handle=row["handle"], role=role, permissions=permissions_for(role), membership_id=row["membership_id"],
+        membership_revision=row["membership_revision"], execution_generation=row["active_generation"],
+    )
+
+
+def _api_key_workspace_context(row: asyncpg.Record, principal: Principal) -> WorkspaceContext:
+    if row["key_status"] != "active" or (row["expires_at"] is not None and row["expires_at"].timestamp() <= time.time()):
+        raise unauthenticated("API key revoked or expired")
+    _check_workspace_row(row)
+    if row["member_kind"] == "agent" and row["owner_status"] != "active":
+        raise ProtocolError(ErrorCode.FORBIDDEN, "the agent's owner is not active")
+    role = Role(row["role"]) if row["role"] is not None else None
+    permissions = permissions_for(role) & key_scope_permissions(principal.key_scopes)
+    return WorkspaceContext(
+        workspace_id=row["workspace_id"], member_id=row["member_id"], member_kind=row["member_kind"],
+        handle=row["handle"], role=role, permissions=permissions, membership_id=row["membership_id"],
+        membership_revision=row["membership_revision"] or 0, execution_generation=row["active_generation"],
+    )
+
+
+async def system_workspace_context(db: Database, workspace_id: str) -> WorkspaceContext:
+    """The operator's context (CLI): every permission, the current generation."""
+    generation = await db.run(tenancy.current_generation, workspace_id)
+    return WorkspaceContext(
+        workspace_id=workspace_id, member_id=None, member_kind=None, handle=None, role=Role.OWNER,
+        permissions=frozenset(Permission), membership_id=None, membership_revision=0,
+        execution_generation=generation,
+    )
+
+
+def system_context(workspace: WorkspaceContext | None = None) -> RequestContext:
+    return RequestContext(request_id="cli", principal=SYSTEM, workspace=workspace)
