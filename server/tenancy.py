@@ -149,6 +149,17 @@ async def list_members(db: Database, ctx: RequestContext) -> list[asyncpg.Record
     return await db.run(tenancy.list_members, workspace.workspace_id)
 
 
+async def _actor_role_under_lock(conn: asyncpg.Connection, workspace: WorkspaceContext) -> Role:
+    """Re-read the actor's role inside the locked transaction: the context was
+    loaded before the lock and a concurrent change may have demoted the actor."""
+    if workspace.membership_id is None:
+        return Role.OWNER  # the operator (CLI)
+    role = await tenancy.membership_role(conn, workspace.workspace_id, workspace.membership_id)
+    if role is None:
+        raise _forbidden("your membership is not active")
+    return Role(role)
+
+
 async def set_member_role(db: Database, ctx: RequestContext, member_id: str, role: str) -> None:
     workspace = ctx.require(Permission.MEMBER_UPDATE_ROLE)
     _require_id(member_id, "mem", "member")
@@ -158,7 +169,7 @@ async def set_member_role(db: Database, ctx: RequestContext, member_id: str, rol
 
     async def unit(conn: asyncpg.Connection) -> None:
         target = await tenancy.lock_membership_target(conn, workspace.workspace_id, member_id)
-        actor_role = workspace.role or Role.OWNER
+        actor_role = await _actor_role_under_lock(conn, workspace)
         if not may_change_role(actor_role, Role(target["role"]), new_role):
             raise _forbidden(f"a {actor_role.value} cannot change a {target['role']}'s role")
         await tenancy.set_role(conn, workspace.workspace_id, target, new_role.value)
@@ -172,7 +183,7 @@ async def remove_member(db: Database, ctx: RequestContext, member_id: str) -> No
 
     async def unit(conn: asyncpg.Connection) -> None:
         target = await tenancy.lock_membership_target(conn, workspace.workspace_id, member_id)
-        actor_role = workspace.role or Role.OWNER
+        actor_role = await _actor_role_under_lock(conn, workspace)
         if not may_remove(actor_role, Role(target["role"])):
             raise _forbidden(f"a {actor_role.value} cannot remove a {target['role']}")
         await tenancy.remove_member(conn, workspace.workspace_id, target)

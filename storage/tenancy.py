@@ -129,7 +129,7 @@ async def _unique_handle(conn: asyncpg.Connection, workspace_id: str, wanted: st
     return f"{wanted}-{n}"
 
 
-async def _add_human(conn: asyncpg.Connection, workspace_id: str, account_id: str, role: str,
+async def add_human_member(conn: asyncpg.Connection, workspace_id: str, account_id: str, role: str,
                      invited_by: str | None) -> tuple[str, str]:
     """Create (or reactivate) the membership and its human member; returns their ids."""
     account = await conn.fetchrow("SELECT email_normalized, display_name FROM accounts WHERE id = $1", account_id)
@@ -193,7 +193,7 @@ async def create_workspace(conn: asyncpg.Connection, *, instance_id: str, name: 
     await conn.execute(
         "INSERT INTO workspace_execution_states (workspace_id, instance_id) VALUES ($1, $2)", workspace_id, instance_id
     )
-    membership_id, member_id = await _add_human(conn, workspace_id, account_id, "owner", None)
+    membership_id, member_id = await add_human_member(conn, workspace_id, account_id, "owner", None)
     return NewWorkspace(workspace_id, account_id, membership_id, member_id, created)
 
 
@@ -432,6 +432,14 @@ async def lock_membership_target(conn: asyncpg.Connection, workspace_id: str, me
     return target
 
 
+async def membership_role(conn: asyncpg.Connection, workspace_id: str, membership_id: str) -> str | None:
+    """The actor's current role, read under the workspace lock (None if not active)."""
+    return await conn.fetchval(
+        "SELECT role FROM workspace_memberships WHERE workspace_id = $1 AND id = $2 AND status = 'active'",
+        workspace_id, membership_id,
+    )
+
+
 async def set_role(conn: asyncpg.Connection, workspace_id: str, target: asyncpg.Record, role: str) -> None:
     """Caller has locked with lock_membership_target and checked RBAC."""
     if target["membership_status"] != "active":
@@ -578,7 +586,7 @@ async def lock_invitation(conn: asyncpg.Connection, token_hash: bytes) -> asyncp
 
 async def accept_invitation(conn: asyncpg.Connection, invitation: asyncpg.Record, account_id: str) -> tuple[str, str]:
     """In the transaction that locked the invitation: membership + member, then consume it."""
-    membership_id, member_id = await _add_human(
+    membership_id, member_id = await add_human_member(
         conn, invitation["workspace_id"], account_id, invitation["role"], invitation["created_by_account_id"]
     )
     await conn.execute(

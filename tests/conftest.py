@@ -81,3 +81,95 @@ def empty_database_dsn(pg_cluster: PostgresCluster) -> Iterator[str]:
 async def db(database_dsn: str):
     async with Database(database_dsn, PoolSettings(min_size=1, max_size=10)) as database:
         yield database
+
+
+# --- an in-process server and tenants ---------------------------------------------------------
+
+from dataclasses import dataclass  # noqa: E402
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey  # noqa: E402
+
+from server import tenancy as ops  # noqa: E402
+from server.app import Server  # noqa: E402
+from server.auth import Authenticator  # noqa: E402
+from server.config import ServerConfig  # noqa: E402
+from server.credentials import SessionSigner, hash_password  # noqa: E402
+from storage import tenancy  # noqa: E402
+
+MEMBER_PASSWORD = "member-password-1"
+
+
+@pytest.fixture(scope="session")
+def member_password_hash() -> str:
+    return hash_password(MEMBER_PASSWORD)
+
+
+@dataclass
+class App:
+    server: Server
+    db: Database
+
+    @property
+    def url(self) -> str:
+        return f"ws://127.0.0.1:{self.server.port}"
+
+
+@pytest.fixture
+def server_config() -> ServerConfig:
+    return ServerConfig(port=0, auth_timeout_seconds=2.0, expiry_sweep_seconds=0.5, shutdown_grace_seconds=2.0)
+
+
+@pytest.fixture
+async def app(db: Database, nursery, server_config: ServerConfig) -> App:
+    signer = SessionSigner(Ed25519PrivateKey.generate())
+    server = Server(server_config, db, Authenticator(db, signer, server_config.session_ttl_seconds))
+    await nursery.start(server.run)
+    return App(server, db)
+
+
+@dataclass
+class Person:
+    email: str
+    password: str
+    account_id: str
+    member_id: str
+
+
+@dataclass
+class Tenant:
+    workspace_id: str
+    owner: Person
+
+
+async def add_person(db: Database, workspace_id: str, email: str, role: str, password_hash: str) -> Person:
+    async def unit(conn):
+        account_id = await tenancy.create_account(conn, email, email.split("@")[0], password_hash)
+        _, member_id = await tenancy.add_human_member(conn, workspace_id, account_id, role, None)
+        return account_id, member_id
+
+    account_id, member_id = await db.transaction(unit)
+    return Person(email, MEMBER_PASSWORD, account_id, member_id)
+
+
+@pytest.fixture
+async def tenants(db: Database, member_password_hash: str) -> tuple[Tenant, Tenant]:
+    """A multi-workspace instance with two workspaces, each with its owner."""
+    first = await ops.init_instance(db, email="owner-a@example.com", display_name="Owner A",
+                                    workspace_name="Alpha", workspace_slug="alpha", edition="multi",
+                                    password=MEMBER_PASSWORD)
+    second_owner = await db.transaction(tenancy.create_account, "owner-b@example.com", "Owner B",
+                                        member_password_hash)
+
+    async def second_workspace(conn):
+        instance = await tenancy.instance_id(conn)
+        return await tenancy.create_workspace(conn, instance_id=instance, name="Beta", slug="beta", type="team",
+                                              owner_email="owner-b@example.com", owner_display_name="Owner B",
+                                              owner_password_hash=None, single_edition=False)
+
+    second = await db.transaction(second_workspace)
+    assert second.account_id == second_owner
+    return (
+        Tenant(first.workspace_id, Person("owner-a@example.com", MEMBER_PASSWORD, first.account_id, first.member_id)),
+        Tenant(second.workspace_id, Person("owner-b@example.com", MEMBER_PASSWORD, second.account_id,
+                                           second.member_id)),
+    )
