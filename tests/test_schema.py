@@ -14,7 +14,7 @@ def test_definition_is_well_formed():
 
 
 def test_every_tenant_table_has_a_non_null_workspace_id():
-    global_tables = {"accounts", "local_credentials", "workspaces"}
+    global_tables = {"instance_metadata", "accounts", "local_credentials", "workspaces"}
     for table in SCHEMA.tables:
         if table.name in global_tables:
             continue
