@@ -388,7 +388,6 @@ def _machine_info() -> dict[str, Any]:
         "python_executable": sys.executable,
         "gil_switch_interval_s": sys.getswitchinterval(),
         "packages": versions,
-        "loadavg_at_start": os.getloadavg(),
     }
 
 
@@ -476,7 +475,8 @@ def benchmark(args: argparse.Namespace, dsn: str, postmaster_pid: int | None,
                              f"  ops/trio-wakeup {crossings['ops_per_trio_wakeup']}")
                 print(f"[{done:2d}/{total}] {spec.workload:9s} c={spec.concurrency:<3d} {side:6s} "
                       f"rep {repeat}  {_fmt_rate(m.ops_per_s):>8s} ops/s  "
-                      f"py-cpu {cpu['python_process_cpu_s']:.2f}s  pg-cpu {cpu['postgres_cpu_s']}s{extra}",
+                      f"py-cpu {cpu['python_process_cpu_s']:.2f}s  pg-cpu "
+                      f"{'n/a' if cpu['postgres_cpu_s'] is None else format(cpu['postgres_cpu_s'], '.2f') + 's'}{extra}",
                       file=sys.stderr, flush=True)
 
     # ---- summarise
@@ -567,6 +567,7 @@ def print_table(results: dict[str, Any], args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started_at = datetime.datetime.now(datetime.timezone.utc)
+    loadavg_at_start = os.getloadavg()
     cluster = None
     data_dir: Path | None = None
     try:
@@ -601,6 +602,8 @@ def main(argv: list[str] | None = None) -> int:
 
         finished_at = datetime.datetime.now(datetime.timezone.utc)
         machine = _machine_info()
+        machine["loadavg_at_start"] = loadavg_at_start
+        machine["loadavg_at_end"] = os.getloadavg()
         machine["postgres_version"] = pg_info["server_version"]
         machine["postgres"] = {k: v for k, v in pg_info.items() if k not in ("backend_pid", "postmaster_pid")}
         document = {

