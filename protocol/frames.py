@@ -24,7 +24,7 @@ Password = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
 Secret = Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=200)]
 Slug = Annotated[str, msgspec.Meta(pattern="^[a-z0-9][a-z0-9-]{0,62}$")]
-Handle = Annotated[str, msgspec.Meta(pattern="^[a-z0-9][a-z0-9_.-]{0,63}$")]
+Handle = Annotated[str, msgspec.Meta(pattern="^[a-z0-9]([a-z0-9_.-]{0,62}[a-z0-9_])?$")]
 RoleName = Literal["owner", "admin", "developer", "operator", "viewer"]
 InvitableRole = Literal["admin", "developer", "operator", "viewer"]
 KeyScope = Literal["read", "write", "admin"]
@@ -150,12 +150,174 @@ class ApiKeyRevoke(WorkspaceRequest, tag="apikey.revoke"):
     api_key_id: Id
 
 
+# --- scopes and messages ----------------------------------------------------------------
+
+ChannelSlug = Annotated[str, msgspec.Meta(pattern="^[a-z0-9][a-z0-9_-]{0,79}$")]
+Content = Annotated[str, msgspec.Meta(max_length=40000)]
+ClientMessageId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+MessageType = Annotated[str, msgspec.Meta(pattern="^[a-z][a-z0-9_.]{0,63}$")]
+Description = Annotated[str, msgspec.Meta(max_length=4000)]
+Limit = Annotated[int, msgspec.Meta(ge=1, le=200)]
+Seq = Annotated[int, msgspec.Meta(ge=0, le=2**53)]
+ReactionKey = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+Cursor = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
+NotificationState = Literal["active", "quiet", "mute", "auto-wake", "no-wake"]
+
+
+class ChannelCreate(WorkspaceRequest, tag="channel.create"):
+    slug: ChannelSlug
+    display_name: Name
+    description: Description = ""
+    visibility: Literal["public", "private"] = "public"
+    member_ids: Annotated[list[Id], msgspec.Meta(max_length=100)] = []
+
+
+class ChannelList(WorkspaceRequest, tag="channel.list"):
+    """Public channels and the private ones you belong to."""
+
+
+class DmOpen(WorkspaceRequest, tag="dm.open"):
+    """The one DM scope of you and `member_id` (created on first use)."""
+
+    member_id: Id
+
+
+class ScopeGet(WorkspaceRequest, tag="scope.get"):
+    scope_id: Id
+
+
+class ScopeMembers(WorkspaceRequest, tag="scope.members"):
+    scope_id: Id
+
+
+class ScopeJoin(WorkspaceRequest, tag="scope.join"):
+    scope_id: Id
+
+
+class ScopeLeave(WorkspaceRequest, tag="scope.leave"):
+    scope_id: Id
+
+
+class ScopeInvite(WorkspaceRequest, tag="scope.invite"):
+    scope_id: Id
+    member_ids: Annotated[list[Id], msgspec.Meta(min_length=1, max_length=100)]
+
+
+class ScopeRemove(WorkspaceRequest, tag="scope.remove"):
+    scope_id: Id
+    member_id: Id
+
+
+class ScopeArchive(WorkspaceRequest, tag="scope.archive"):
+    scope_id: Id
+
+
+class MessageSend(WorkspaceRequest, tag="message.send"):
+    scope_id: Id
+    content: Content
+    client_message_id: ClientMessageId | None = None
+    message_type: MessageType = "text"
+    metadata: dict[str, Any] = {}
+    reply_to_message_id: Id | None = None
+    silent: bool = False
+
+
+class ThreadReply(WorkspaceRequest, tag="thread.reply"):
+    """Reply in the thread of `root_message_id` (in `scope_id`); the thread is
+    created on the first reply."""
+
+    scope_id: Id
+    root_message_id: Id
+    content: Content
+    client_message_id: ClientMessageId | None = None
+
+
+class MessageForward(WorkspaceRequest, tag="message.forward"):
+    """Forward one message (its mentions stay live, as if re-sent) or several
+    (context only: no live mentions) into `scope_id`."""
+
+    scope_id: Id
+    source_message_ids: Annotated[list[Id], msgspec.Meta(min_length=1, max_length=20)]
+    comment: Content = ""
+    client_message_id: ClientMessageId | None = None
+
+
+class MessageEdit(WorkspaceRequest, tag="message.edit"):
+    message_id: Id
+    content: Content
+    expected_revision: Annotated[int, msgspec.Meta(ge=1)]
+
+
+class MessageWithdraw(WorkspaceRequest, tag="message.withdraw"):
+    message_id: Id
+
+
+class MessageHistory(WorkspaceRequest, tag="message.history"):
+    """A page of a scope's timeline: before a seq (default: the newest), after a
+    seq, or from your first unread message."""
+
+    scope_id: Id
+    before_seq: Seq | None = None
+    after_seq: Seq | None = None
+    from_first_unread: bool = False
+    limit: Limit = 50
+
+
+class MessageGet(WorkspaceRequest, tag="message.get"):
+    """Permalink: one message by id, with its revisions on request."""
+
+    message_id: Id
+    include_revisions: bool = False
+
+
+class ReactionAdd(WorkspaceRequest, tag="reaction.add"):
+    message_id: Id
+    key: ReactionKey
+
+
+class ReactionRemove(WorkspaceRequest, tag="reaction.remove"):
+    message_id: Id
+    key: ReactionKey
+
+
+class ReadMark(WorkspaceRequest, tag="read.mark"):
+    """Move your read cursor forward to `seq` (never backwards)."""
+
+    scope_id: Id
+    seq: Seq
+
+
+class ReadMarkUnread(WorkspaceRequest, tag="read.mark_unread"):
+    """Mark unread from `from_seq` on (or just flag the conversation)."""
+
+    scope_id: Id
+    from_seq: Annotated[int, msgspec.Meta(ge=1, le=2**53)] | None = None
+
+
+class NotificationSet(WorkspaceRequest, tag="notification.set"):
+    scope_id: Id
+    state: NotificationState
+
+
+class InboxList(WorkspaceRequest, tag="inbox.list"):
+    cursor: Cursor | None = None
+    limit: Limit = 50
+
+
+class ConversationAction(WorkspaceRequest, tag="conversation.action"):
+    scope_id: Id
+    action: Literal["pin", "unpin", "hide", "restore", "mute", "unmute", "mark_read", "mark_unread"]
+
+
 CLIENT_FRAMES: tuple[type[Request], ...] = (
     Ping, Login, Auth, RevokeSessions,
     WorkspaceList, WorkspaceGet, WorkspaceCreate, WorkspaceSuspend,
     MemberList, MemberSetRole, MemberRemove, OwnerTransfer, AgentCreate,
     InvitationCreate, InvitationList, InvitationRevoke, InvitationAccept,
     ApiKeyCreate, ApiKeyList, ApiKeyRevoke,
+    ChannelCreate, ChannelList, DmOpen, ScopeGet, ScopeMembers, ScopeJoin, ScopeLeave, ScopeInvite, ScopeRemove,
+    ScopeArchive, MessageSend, ThreadReply, MessageForward, MessageEdit, MessageWithdraw, MessageHistory, MessageGet,
+    ReactionAdd, ReactionRemove, ReadMark, ReadMarkUnread, NotificationSet, InboxList, ConversationAction,
 )
 ClientFrame = Union[CLIENT_FRAMES]  # type: ignore[valid-type]
 KNOWN_OPS = frozenset(frame.__struct_config__.tag for frame in CLIENT_FRAMES)
@@ -248,6 +410,95 @@ class ApiKeyInfo(msgspec.Struct, omit_defaults=True):
 
 class Ok(msgspec.Struct):
     ok: bool = True
+
+
+class ScopeInfo(msgspec.Struct, omit_defaults=True):
+    id: str
+    type: str
+    status: str
+    latest_seq: int
+    slug: str | None = None
+    display_name: str | None = None
+    description: str | None = None
+    visibility: str | None = None
+    parent_scope_id: str | None = None
+    root_message_id: str | None = None
+    is_member: bool | None = None
+
+
+class ScopeMemberInfo(msgspec.Struct, omit_defaults=True):
+    member_id: str
+    handle: str
+    display_name: str
+    kind: str
+    visibility: str
+    owner_member_id: str | None = None
+
+
+class ReactionSummary(msgspec.Struct):
+    key: str
+    count: int
+    me: bool
+
+
+class MessageInfo(msgspec.Struct, omit_defaults=True):
+    id: str
+    scope_id: str
+    seq: int
+    global_seq: int
+    author_member_id: str
+    author_type: str
+    message_type: str
+    content: str
+    revision: int
+    state: str
+    created_at_ms: int
+    metadata: dict[str, Any] = {}
+    client_message_id: str | None = None
+    thread_scope_id: str | None = None
+    reactions: list[ReactionSummary] = []
+    replayed: bool = False
+
+
+class RevisionInfo(msgspec.Struct):
+    revision: int
+    content: str
+    edited_by_member_id: str
+    created_at_ms: int
+
+
+class MessageDetail(msgspec.Struct, omit_defaults=True):
+    message: MessageInfo
+    revisions: list[RevisionInfo] = []
+
+
+class HistoryPage(msgspec.Struct, omit_defaults=True):
+    messages: list[MessageInfo]
+    has_more: bool
+    last_read_seq: int | None = None
+    root: MessageInfo | None = None  # a thread's root message, as context
+
+
+class ConversationInfo(msgspec.Struct, omit_defaults=True):
+    scope_id: str
+    type: str
+    latest_seq: int
+    last_read_seq: int
+    unread_count: int
+    pinned: bool
+    manual_unread: bool
+    notification_state: str
+    activity_at_ms: int
+    display_name: str | None = None
+    parent_scope_id: str | None = None
+    last_message_id: str | None = None
+    last_author_member_id: str | None = None
+    last_preview: str | None = None
+
+
+class InboxPage(msgspec.Struct, omit_defaults=True):
+    conversations: list[ConversationInfo]
+    next_cursor: str | None = None
 
 
 # WebSocket close codes the server uses (4000–4999 is the application range).

@@ -28,7 +28,11 @@ import trio_websocket
 from protocol import frames
 from protocol.codec import decode_request, encode, error_frame
 from protocol.errors import ErrorCode, ProtocolError
+from actors.fanout import FanoutHub
+from actors.outbox_worker import OutboxWorker
+from actors.registry import ScopeRegistry
 from server import handlers
+from server.messaging import ReactionRateLimiter
 from server.auth import Authenticator
 from server.config import ServerConfig
 from server.context import Principal
@@ -109,7 +113,11 @@ class Server:
     config: ServerConfig
     db: Database
     auth: Authenticator
-    registry: ConnectionRegistry = field(default_factory=ConnectionRegistry)
+    connections: ConnectionRegistry = field(default_factory=ConnectionRegistry)
+    hub: FanoutHub = field(default_factory=FanoutHub)
+    reaction_limiter: ReactionRateLimiter = field(default_factory=ReactionRateLimiter)
+    registry: ScopeRegistry | None = None
+    outbox: OutboxWorker | None = None
     port: int | None = None
     _edition: str | None = None
 
@@ -119,7 +127,19 @@ class Server:
         return self._edition
 
     async def run(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
-        """Serve until cancelled; then close every connection before returning."""
+        """Serve until cancelled; then close every connection, then stop the actors."""
+        async with trio.open_nursery() as actors_nursery:
+            self.outbox = OutboxWorker(self.db, self.hub)
+            outbox = self.outbox
+            self.registry = ScopeRegistry(self.db, self.hub, actors_nursery, idle_seconds=self.config.actor_idle_seconds,
+                                          outbox_wake=lambda: outbox.wake.set())
+            await actors_nursery.start(self.outbox.run)
+            try:
+                await self._serve(task_status=task_status)
+            finally:
+                actors_nursery.cancel_scope.cancel()
+
+    async def _serve(self, *, task_status: trio.TaskStatus[int]) -> None:
         async with trio.open_nursery() as handlers_nursery:
             try:
                 async with trio.open_nursery() as background:
@@ -145,7 +165,7 @@ class Server:
     async def _close_all(self, code: int, reason: str) -> None:
         with trio.move_on_after(self.config.shutdown_grace_seconds):
             async with trio.open_nursery() as closers:
-                for connection in list(self.registry.all):
+                for connection in list(self.connections.all):
                     closers.start_soon(connection.close, code, reason)
 
     # --- connections -------------------------------------------------------------------
@@ -155,13 +175,13 @@ class Server:
         subprotocol = next((p for p in (MSGPACK_SUBPROTOCOL, JSON_SUBPROTOCOL) if p in offered), None)
         ws = await request.accept(subprotocol=subprotocol)
         connection = Connection(ws=ws, binary=subprotocol == MSGPACK_SUBPROTOCOL)
-        self.registry.add(connection)
+        self.connections.add(connection)
         try:
             await self._serve_connection(connection)
         except trio_websocket.ConnectionClosed:
             pass
         finally:
-            self.registry.remove(connection)
+            self.connections.remove(connection)
 
     async def _serve_connection(self, connection: Connection) -> None:
         auth_deadline = trio.current_time() + self.config.auth_timeout_seconds
@@ -190,7 +210,8 @@ class Server:
         except NotFound as exc:
             return error_frame(ProtocolError(ErrorCode.NOT_FOUND, f"{exc} not found"), request_id)
         except Conflict as exc:
-            code = ErrorCode.EDITION_LIMIT if exc.reason == "edition_limit" else ErrorCode.CONFLICT
+            code = {"edition_limit": ErrorCode.EDITION_LIMIT,
+                    "idempotency_conflict": ErrorCode.IDEMPOTENCY_CONFLICT}.get(exc.reason, ErrorCode.CONFLICT)
             return error_frame(ProtocolError(code, str(exc), details={"reason": exc.reason}), request_id)
         except Forbidden as exc:
             return error_frame(ProtocolError(ErrorCode.FORBIDDEN, str(exc)), request_id)
@@ -205,11 +226,11 @@ class Server:
 
     def authenticated(self, connection: Connection, principal: Principal, expires_at: float | None) -> None:
         if connection.principal is not None:
-            self.registry.remove(connection)
-            self.registry.add(connection)
+            self.connections.remove(connection)
+            self.connections.add(connection)
         connection.principal = principal
         connection.session_expires_at = expires_at
-        self.registry.authenticated(connection)
+        self.connections.authenticated(connection)
 
     # --- revocation ----------------------------------------------------------------------
 
@@ -224,7 +245,7 @@ class Server:
                     note = await notifications.receive()
                 if note is not None:
                     if note.resync:
-                        await self._revalidate(list(self.registry.all))
+                        await self._revalidate(list(self.connections.all))
                     if note.payload:
                         await self._apply_auth_event(json.loads(note.payload))
                 await self._close_expired()
@@ -232,13 +253,13 @@ class Server:
     async def _apply_auth_event(self, event: dict) -> None:
         kind = event.get("kind")
         if kind == "account":
-            await self._revalidate(self.registry.sessions_of(event["account_id"]))
+            await self._revalidate(self.connections.sessions_of(event["account_id"]))
         elif kind == "api_key":
-            await self._revalidate(self.registry.of_api_key(event["api_key_id"]))
+            await self._revalidate(self.connections.of_api_key(event["api_key_id"]))
         elif kind == "membership":
-            await self._revalidate(self.registry.of_key_member(event["member_id"]))
+            await self._revalidate(self.connections.of_key_member(event["member_id"]))
         elif kind == "workspace":
-            await self._revalidate([c for c in self.registry.all
+            await self._revalidate([c for c in self.connections.all
                                     if c.principal is not None and c.principal.key_workspace_id == event["workspace_id"]])
 
     async def _revalidate(self, connections: list[Connection]) -> None:
@@ -259,7 +280,7 @@ class Server:
 
     async def _close_expired(self) -> None:
         now = time.time()
-        await self._close_many([(c, "session expired") for c in list(self.registry.all)
+        await self._close_many([(c, "session expired") for c in list(self.connections.all)
                                 if c.session_expires_at is not None and c.session_expires_at <= now])
 
     async def _close_many(self, targets: list[tuple[Connection, str]]) -> None:

@@ -40,3 +40,5 @@ class ServerConfig:
     # How often session expiry is checked (revocations themselves arrive by NOTIFY at once).
     expiry_sweep_seconds: float = 5.0
     max_frame_bytes: int = 256 * 1024
+    # A scope's actor stops after this long without commands (restarted on demand).
+    actor_idle_seconds: float = 30.0

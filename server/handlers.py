@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from protocol import frames as f
 from protocol.errors import ErrorCode, ProtocolError
+from server import messaging
 from server import tenancy as ops
 from server.context import RequestContext
 
@@ -237,6 +238,7 @@ IN_WORKSPACE: dict[type, Handler] = {
     f.ApiKeyCreate: apikey_create,
     f.ApiKeyList: apikey_list,
     f.ApiKeyRevoke: apikey_revoke,
+    **messaging.HANDLERS,
 }
 assert set(PUBLIC) | set(AUTHENTICATED) | set(IN_WORKSPACE) == set(f.CLIENT_FRAMES), "every op needs a handler"
 

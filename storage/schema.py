@@ -224,7 +224,8 @@ members = Table(
         id_check("members", "id", "mem"),
         enum_check("members", "kind", ("human", "agent", "service")),
         enum_check("members", "status", ("active", "disabled", "removed")),
-        Check("members_handle_form", "handle ~ '^[a-z0-9][a-z0-9_.-]{0,63}$'"),
+        # Same grammar as the routing-token parser (actors/routing_tokens.py): no trailing '.' or '-'.
+        Check("members_handle_form", "handle ~ '^[a-z0-9]([a-z0-9_.-]{0,62}[a-z0-9_])?$'"),
         Check("members_display_name_length", "char_length(display_name) BETWEEN 1 AND 200"),
         Check("members_human_has_account",
               "(kind = 'human') = (account_id IS NOT NULL AND workspace_membership_id IS NOT NULL)"),
@@ -438,9 +439,11 @@ scope_memberships = Table(
         Check("scope_memberships_read_cursor", "last_read_seq >= 0 AND last_read_global_seq >= 0"),
     ),
     excludes=(
-        # At most one effective membership per (scope, member) at any seq.
+        # At most one effective membership per (scope, member) at any seq.  The
+        # inclusive end becomes an exclusive bound, so a join-then-leave with no
+        # message in between is an empty interval.
         Exclude("scope_memberships_no_overlap", "gist",
-                "scope_id WITH =, member_id WITH =, int8range(effective_from_seq, effective_to_seq, '[]') WITH &&"),
+                "scope_id WITH =, member_id WITH =, int8range(effective_from_seq, effective_to_seq + 1) WITH &&"),
     ),
     foreign_keys=(
         tenant_fk("scope_memberships", ("workspace_id", "scope_id"), "scopes", ("workspace_id", "id"), "scope"),

@@ -50,6 +50,19 @@ async def pass_write_fence(conn: asyncpg.Connection, workspace_id: str, generati
         )
 
 
+async def execution_state_for_share(conn: asyncpg.Connection, workspace_id: str) -> asyncpg.Record:
+    """The execution state under a shared lock held until commit, for callers
+    that check several commands' generations against it at once."""
+    row = await conn.fetchrow(
+        "SELECT active_generation, write_fenced, state FROM workspace_execution_states "
+        "WHERE workspace_id = $1 FOR SHARE",
+        workspace_id,
+    )
+    if row is None:
+        raise NotFound("workspace")
+    return row
+
+
 async def fence_workspace(conn: asyncpg.Connection, workspace_id: str, *, write_fenced: bool,
                           new_generation: bool) -> int:
     """Take the exclusive lock (waiting for in-flight writers to commit or roll

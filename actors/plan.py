@@ -1,0 +1,145 @@
+"""The value types of the send pipeline (scope-model.md §6):
+MessageIntent + ActorContext + ScopeContext + LiveMentions → MessagePlan.
+
+Every entry (human send, agent send, thread reply, DM, single and multi
+forward, owner_quote) produces a MessagePlan; only the Applier writes it.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from actors.routing_tokens import MentionMode
+
+
+class DeliveryPolicy(str, enum.Enum):
+    """First-delivery owner and replay policy of a producer (scope-model.md §3.10.1)."""
+
+    INLINE_ORDINARY = "inline_ordinary"
+    AUTONOMOUS_STORE_RECOVERABLE = "autonomous_store_recoverable"
+    INLINE_TARGETED = "inline_targeted"
+    WORKER_FIRST_TARGETED = "worker_first_targeted"
+    WORKER_FIRST_MUTATION = "worker_first_mutation"
+
+
+@dataclass(frozen=True)
+class SourceRef:
+    kind: str  # reply | quote | forward | multi_forward | owner_quote | explicit_context
+    message_id: str
+    scope_id: str
+    seq: int
+
+
+@dataclass(frozen=True)
+class MessageIntent:
+    scope_id: str
+    content: str
+    message_type: str = "text"
+    client_message_id: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    sources: tuple[SourceRef, ...] = ()
+    mention_mode: MentionMode = MentionMode.NORMAL
+    # Silent/internal messages are stored and readable but produce no fanout
+    # (explicit no-fanout rule, scope-model.md §6.5).
+    silent: bool = False
+
+
+@dataclass(frozen=True)
+class ActorContext:
+    workspace_id: str
+    member_id: str
+    member_kind: str  # human | agent | service
+    owner_member_id: str | None
+    execution_generation: int
+    notify_principal_member_id: str | None = None
+    idempotency_subject_member_id: str | None = None
+
+
+@dataclass(frozen=True)
+class RosterEntry:
+    member_id: str
+    kind: str
+    visibility: str
+    owner_member_id: str | None
+    last_read_seq: int
+
+
+@dataclass
+class ScopeContext:
+    """What the scope's actor knows about its scope (it is the only writer)."""
+
+    scope_id: str
+    workspace_id: str
+    type: str
+    status: str
+    parent_scope_id: str | None
+    root_message_id: str | None
+    latest_seq: int
+    roster_generation: int
+    visibility: str | None  # channel profile visibility
+    roster: dict[str, RosterEntry]
+
+
+@dataclass(frozen=True)
+class MentionCandidate:
+    member_id: str
+    handle: str
+    kind: str
+    status: str
+    visibility: str | None
+    owner_member_id: str | None
+
+
+@dataclass(frozen=True)
+class Explain:
+    member_id: str
+    reason: str  # e.g. "mention", "mention_not_addressable:not_a_member"
+    delivered: bool
+
+
+@dataclass(frozen=True)
+class MembershipMutation:
+    member_id: str
+    action: str  # open | close
+    visibility: str = "public"
+    owner_member_id: str | None = None
+
+
+@dataclass(frozen=True)
+class OutboxEvent:
+    event_ref_type: str
+    fanout_type: str
+    policy: DeliveryPolicy
+
+
+@dataclass
+class MessagePlan:
+    intent: MessageIntent
+    actor: ActorContext
+    digest: bytes
+    live_mentions: tuple[str, ...]  # member ids that are addressable
+    membership_mutations: tuple[MembershipMutation, ...]
+    outbox: tuple[OutboxEvent, ...]
+    explain: tuple[Explain, ...]
+
+
+@dataclass(frozen=True)
+class CommittedMessage:
+    id: str
+    workspace_id: str
+    scope_id: str
+    seq: int
+    workspace_global_seq: int
+    author_member_id: str
+    author_type: str
+    message_type: str
+    content: str
+    metadata: dict[str, Any]
+    client_message_id: str | None
+    created_at: datetime
+    revision: int = 1
+    state: str = "visible"
+    replayed: bool = False  # an idempotent retry: this is the original message

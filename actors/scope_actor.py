@@ -1,0 +1,406 @@
+"""ScopeActor: the one task that writes a scope's seq, roster and memberships.
+
+It drains its mailbox in batches and commits each batch in ONE transaction
+(group commit): sends are planned (pure), checked for idempotency, allocated
+consecutive seqs and inserted with one statement; other commands run in
+savepoints of the same transaction, so one failing command does not fail its
+neighbours.  After commit it replies to every caller, publishes the committed
+events, then settles the inline outbox rows.
+
+Cross-process note: seq allocation is an UPDATE ... RETURNING on the scope row
+and global seq allocation locks the workspace counter row, so even two
+processes writing one scope cannot produce duplicate or out-of-order numbers;
+the actor's cached roster is what a second process could make stale.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from collections.abc import Callable
+from typing import Any
+
+import asyncpg
+import trio
+
+from actors.fanout import CommittedEvent, FanoutHub
+from actors.plan import ActorContext, CommittedMessage, MembershipMutation, MessageIntent, MessagePlan, ScopeContext
+from actors.planner import PlanRefused, mention_handles, plan_message
+from actors.policy import can_add_member
+from actors.routing_tokens import TooManyRoutingTokens
+from storage import applier, messages, tenancy
+from storage.bridge import Database
+from storage.errors import Conflict, DatabaseUnavailable, NotFound, StorageError, WriteFenced
+
+log = logging.getLogger("scopewire.actors")
+
+MAX_BATCH = 256
+
+
+class Refused(Exception):
+    """A command the actor refuses: `code` is a protocol error code."""
+
+    def __init__(self, code: str, message: str, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.reason = reason
+
+
+class Reply:
+    """A one-shot reply slot the caller awaits."""
+
+    def __init__(self) -> None:
+        self._done = trio.Event()
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+    def set(self, value: Any) -> None:
+        if not self._done.is_set():
+            self._value = value
+            self._done.set()
+
+    def fail(self, error: BaseException) -> None:
+        if not self._done.is_set():
+            self._error = error
+            self._done.set()
+
+    async def wait(self) -> Any:
+        await self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+# --- commands ------------------------------------------------------------------------------
+
+@dataclass
+class Command:
+    actor: ActorContext
+    reply: Reply = field(default_factory=Reply, init=False)
+
+
+@dataclass
+class Send(Command):
+    intent: MessageIntent
+
+
+@dataclass
+class ChangeMembers(Command):
+    action: str  # join | join_thread | invite | leave | remove
+    member_ids: tuple[str, ...]
+
+
+@dataclass
+class Edit(Command):
+    message_id: str
+    content: str
+    expected_revision: int
+
+
+@dataclass
+class Withdraw(Command):
+    message_id: str
+
+
+@dataclass
+class React(Command):
+    message_id: str
+    key: str
+    add: bool
+
+
+@dataclass
+class MarkRead(Command):
+    seq: int | None
+    unread: bool = False
+
+
+@dataclass
+class SetNotification(Command):
+    state: str
+
+
+@dataclass
+class Archive(Command):
+    pass
+
+
+@dataclass
+class _Outcome:
+    value: Any = None
+    events: list[CommittedEvent] = field(default_factory=list)
+
+
+class ScopeActor:
+    def __init__(self, scope_id: str, db: Database, hub: FanoutHub, outbox_wake: Callable[[], None] | None = None,
+                 idle_seconds: float = 30.0, mailbox_size: int = 1024) -> None:
+        self.scope_id = scope_id
+        self.db = db
+        self.hub = hub
+        self.idle_seconds = idle_seconds
+        self.outbox_wake = outbox_wake
+        self.mailbox, self._inbox = trio.open_memory_channel[Command](mailbox_size)
+        self.state: ScopeContext | None = None
+        self.stopped = False
+        self._roster_dirty = False
+
+    async def run(self) -> None:
+        """Serve until idle; a crash fails the pending commands and ends the task
+        (the registry starts a fresh actor on the next command)."""
+        try:
+            self.state = await self.db.run(messages.load_scope_context, self.scope_id)
+            while True:
+                first = None
+                with trio.move_on_after(self.idle_seconds):
+                    first = await self._inbox.receive()
+                if first is None:
+                    return
+                batch = [first]
+                while len(batch) < MAX_BATCH:
+                    try:
+                        batch.append(self._inbox.receive_nowait())
+                    except trio.WouldBlock:
+                        break
+                await self._process(batch)
+        finally:
+            self.stopped = True
+            self.mailbox.close()
+            error = DatabaseUnavailable("scope actor stopped; retry")
+            while True:
+                try:
+                    self._inbox.receive_nowait().reply.fail(error)
+                except (trio.WouldBlock, trio.EndOfChannel):
+                    break
+
+    # --- the batch -------------------------------------------------------------------------
+
+    async def _process(self, batch: list[Command]) -> None:
+        if self.state is None:
+            for command in batch:
+                command.reply.fail(NotFound("scope"))
+            return
+        try:
+            outcomes = await self.db.transaction(self._apply_batch, batch)
+        except (StorageError, asyncpg.PostgresError) as exc:
+            if len(batch) > 1 and isinstance(exc, asyncpg.PostgresError):
+                # One command broke the whole batch: run each alone so the rest commit.
+                for command in batch:
+                    await self._process([command])
+                return
+            for command in batch:
+                command.reply.fail(exc)
+            return
+        before = frozenset(self.state.roster)
+        if self._roster_dirty or any(isinstance(c, (ChangeMembers, Archive)) for c in batch):
+            self._roster_dirty = False
+            self.state = await self.db.run(messages.load_scope_context, self.scope_id)
+        roster = frozenset(self.state.roster)
+        committed_message_ids = []
+        for command, outcome in zip(batch, outcomes):
+            if isinstance(outcome, BaseException):
+                command.reply.fail(outcome)
+                continue
+            command.reply.set(outcome.value)
+            for event in outcome.events:
+                # A member who just left still hears about their own removal.
+                self.hub.publish(event, roster=roster | before if event.event == "membership.changed" else roster)
+                if event.event == "message.created":
+                    committed_message_ids.append(event.data.id)
+                    self.state.latest_seq = max(self.state.latest_seq, event.seq)
+        if committed_message_ids:
+            try:
+                await self.db.transaction(applier.settle_inline_delivered, committed_message_ids)
+            except DatabaseUnavailable:
+                pass  # the outbox worker replays after the grace period
+        if self.outbox_wake is not None and any(isinstance(c, (Edit, Withdraw)) for c in batch):
+            self.outbox_wake()
+
+    async def _apply_batch(self, conn: asyncpg.Connection, batch: list[Command]) -> list[Any]:
+        state = self.state
+        assert state is not None
+        outcomes: list[Any] = [None] * len(batch)
+        # One fence check per batch: the shared lock is held until commit (§10.3).
+        fence = await tenancy.execution_state_for_share(conn, state.workspace_id)
+        for index, command in enumerate(batch):
+            if (fence["write_fenced"] or fence["state"] != "active"
+                    or command.actor.execution_generation != fence["active_generation"]):
+                outcomes[index] = WriteFenced("stale execution generation or fenced workspace")
+        sends = [(i, c) for i, c in enumerate(batch) if isinstance(c, Send) and outcomes[i] is None]
+        if sends:
+            await self._apply_sends(conn, state, batch, sends, outcomes)
+        for index, command in enumerate(batch):
+            if outcomes[index] is not None or isinstance(command, Send):
+                continue
+            try:
+                async with conn.transaction():  # a savepoint per command
+                    outcomes[index] = await self._apply_other(conn, state, command)
+            except (StorageError, Refused) as exc:
+                outcomes[index] = exc
+        return outcomes
+
+    async def _apply_sends(self, conn: asyncpg.Connection, state: ScopeContext, batch: list[Command],
+                           sends: list[tuple[int, Command]], outcomes: list[Any]) -> None:
+        handles = sorted({h for _, c in sends for h in _safe_handles(c.intent)})
+        candidates = await messages.mention_candidates(conn, state.workspace_id, handles)
+        parent = None
+        if state.type == "thread" and state.parent_scope_id is not None:
+            parent = await messages.load_scope_context(conn, state.parent_scope_id)
+        plans: list[tuple[int, MessagePlan]] = []
+        for index, command in sends:
+            try:
+                plans.append((index, plan_message(command.intent, command.actor, state, candidates, parent)))
+            except PlanRefused as exc:
+                outcomes[index] = Refused("forbidden" if exc.decision.reason == "not_a_member" else "conflict",
+                                          f"cannot send: {exc.decision.reason}", exc.decision.reason)
+            except TooManyRoutingTokens as exc:
+                outcomes[index] = Refused("invalid", f"too many mentions ({exc.count})", "too_many_mentions")
+        existing = await applier.find_idempotent(
+            conn, state.scope_id, [p.intent.client_message_id for _, p in plans if p.intent.client_message_id])
+        fresh: list[tuple[int, MessagePlan]] = []
+        claimed: dict[tuple, tuple[int, MessagePlan]] = {}
+        duplicates: list[tuple[int, tuple]] = []
+        for index, plan in plans:
+            key = None
+            if plan.intent.client_message_id is not None:
+                key = (plan.actor.member_id, plan.actor.idempotency_subject_member_id or plan.actor.member_id,
+                       plan.intent.client_message_id)
+            if key is not None and key in existing:
+                row = existing[key]
+                outcomes[index] = (_Outcome(messages.committed_from_row(row, replayed=True)) if bytes(row["idempotency_payload_digest"]) == plan.digest
+                                   else Conflict("idempotency_conflict", "same client_message_id, different payload"))
+                continue
+            if key is not None and key in claimed:
+                duplicates.append((index, key))
+                continue
+            if key is not None:
+                claimed[key] = (index, plan)
+            fresh.append((index, plan))
+        if fresh:
+            committed = await applier.insert_messages(conn, state.workspace_id, state.scope_id,
+                                                      [p for _, p in fresh])
+            admissions: list[MembershipMutation] = []
+            opened_at: dict[str, int] = {}
+            for (index, plan), message in zip(fresh, committed):
+                events = [] if plan.intent.silent else [CommittedEvent(
+                    "message.created", message.workspace_id, message.scope_id, message.seq,
+                    message.workspace_global_seq, message)]
+                outcomes[index] = _Outcome(message, events)
+                for mutation in plan.membership_mutations:
+                    if mutation.member_id not in opened_at:
+                        opened_at[mutation.member_id] = message.seq
+                        admissions.append(mutation)
+            if admissions:
+                self._roster_dirty = True
+                await applier.apply_membership_mutations(conn, state.workspace_id, state.scope_id, admissions,
+                                                         committed[-1].seq, opened_at)
+        for index, key in duplicates:
+            first_index, first_plan = claimed[key]
+            first = outcomes[first_index]
+            if isinstance(first, _Outcome) and first_plan.digest == _plan_of(plans, index).digest:
+                outcomes[index] = _Outcome(_as_replay(first.value))
+            else:
+                outcomes[index] = Conflict("idempotency_conflict", "same client_message_id, different payload")
+
+    async def _apply_other(self, conn: asyncpg.Connection, state: ScopeContext, command: Command) -> _Outcome:
+        actor = command.actor
+        if isinstance(command, ChangeMembers):
+            return await self._change_members(conn, state, command)
+        if actor.member_id not in state.roster and not isinstance(command, Archive):
+            raise Refused("forbidden", "not a member of this scope", "not_a_member")
+        if isinstance(command, Edit):
+            row = await applier.edit_message(conn, state.scope_id, command.message_id, actor.member_id,
+                                             command.content, command.expected_revision, actor.execution_generation)
+            if row["author_member_id"] != actor.member_id:
+                raise Refused("forbidden", "only the author edits a message", "not_author")
+            return _Outcome(row)
+        if isinstance(command, Withdraw):
+            row = await applier.withdraw_message(conn, state.scope_id, command.message_id, actor.member_id,
+                                                 actor.execution_generation)
+            if row["author_member_id"] != actor.member_id:
+                raise Refused("forbidden", "only the author withdraws a message", "not_author")
+            return _Outcome(row)
+        if isinstance(command, React):
+            changed = await applier.set_reaction(conn, state.workspace_id, state.scope_id, command.message_id,
+                                                 actor.member_id, command.key, command.add)
+            event = CommittedEvent("reaction.added" if command.add else "reaction.removed", state.workspace_id,
+                                   state.scope_id, None, None,
+                                   {"message_id": command.message_id, "key": command.key, "member_id": actor.member_id})
+            return _Outcome({"changed": changed}, [event] if changed else [])
+        if isinstance(command, MarkRead):
+            if command.unread:
+                value = await applier.mark_unread(conn, state.workspace_id, state.scope_id, actor.member_id,
+                                                  command.seq)
+            else:
+                value = await applier.mark_read(conn, state.scope_id, actor.member_id, command.seq)
+            event = CommittedEvent("read_state.changed", state.workspace_id, state.scope_id, None, None,
+                                   {"member_id": actor.member_id, "last_read_seq": value, "manual_unread": command.unread},
+                                   audience=frozenset({actor.member_id}))
+            return _Outcome({"last_read_seq": value}, [event])
+        if isinstance(command, SetNotification):
+            await applier.set_notification_state(conn, state.workspace_id, state.scope_id, actor.member_id,
+                                                 command.state)
+            await applier.apply_membership_mutations(conn, state.workspace_id, state.scope_id, [], state.latest_seq)
+            return _Outcome({"state": command.state})
+        if isinstance(command, Archive):
+            await applier.archive_scope(conn, state.scope_id)
+            return _Outcome({"status": "archived"}, [CommittedEvent("scope.archived", state.workspace_id,
+                                                                    state.scope_id, None, None, {})])
+        raise AssertionError(type(command))
+
+    async def _change_members(self, conn: asyncpg.Connection, state: ScopeContext, command: ChangeMembers) -> _Outcome:
+        actor = command.actor
+        mutations: list[MembershipMutation] = []
+        parent = None
+        if state.type == "thread" and state.parent_scope_id is not None:
+            parent = await messages.load_scope_context(conn, state.parent_scope_id)
+        for member_id in command.member_ids:
+            if command.action in ("leave", "remove"):
+                if member_id not in state.roster:
+                    raise NotFound("membership")
+                if command.action == "remove" and actor.member_id not in state.roster:
+                    raise Refused("forbidden", "not a member of this scope", "not_a_member")
+                if command.action == "leave" and member_id != actor.member_id:
+                    raise Refused("forbidden", "leave removes yourself only", "not_self")
+                mutations.append(MembershipMutation(member_id, "close"))
+                continue
+            if command.action == "join_thread":
+                # Replying in a thread joins it, for anyone who reads the parent.
+                if parent is None or member_id != actor.member_id or member_id not in parent.roster:
+                    raise Refused("forbidden", "not a member of the parent scope", "not_in_parent")
+                if member_id in state.roster:
+                    raise Refused("conflict", "already a member", "already_member")
+                entry = parent.roster[member_id]
+                mutations.append(MembershipMutation(member_id, "open", entry.visibility, entry.owner_member_id))
+                continue
+            candidate = await messages.member_candidate(conn, state.workspace_id, member_id)
+            decision = can_add_member(actor, state, candidate, parent)
+            if not decision.allowed:
+                code = "conflict" if decision.reason == "already_member" else "forbidden"
+                raise Refused(code, f"cannot add member: {decision.reason}", decision.reason)
+            private = candidate.kind == "agent" and candidate.visibility == "private"
+            mutations.append(MembershipMutation(member_id, "open", "private" if private else "public",
+                                                candidate.owner_member_id if private else None))
+        generation = await applier.apply_membership_mutations(conn, state.workspace_id, state.scope_id, mutations,
+                                                              state.latest_seq)
+        events = [CommittedEvent("membership.changed", state.workspace_id, state.scope_id, None, None,
+                                 {"member_id": m.member_id, "action": m.action, "roster_generation": generation})
+                  for m in mutations]
+        return _Outcome({"roster_generation": generation}, events)
+
+
+def _safe_handles(intent: MessageIntent) -> tuple[str, ...]:
+    try:
+        return mention_handles(intent)
+    except TooManyRoutingTokens:
+        return ()
+
+
+def _plan_of(plans: list[tuple[int, MessagePlan]], index: int) -> MessagePlan:
+    return next(p for i, p in plans if i == index)
+
+
+def _as_replay(message: CommittedMessage) -> CommittedMessage:
+    return dataclasses.replace(message, replayed=True)
+

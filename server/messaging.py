@@ -1,0 +1,479 @@
+"""Scope and message commands: resolve and authorize the scope from the
+caller's context (never from client-supplied workspace or member ids), then
+hand writes to the scope's actor and reads to storage/messages.
+
+Not found vs forbidden: a scope the caller cannot read answers `not_found`,
+except a public channel (its existence is visible), which answers `forbidden`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from typing import TYPE_CHECKING, Any
+
+import asyncpg
+
+from actors import scope_actor as cmd
+from actors.plan import ActorContext, CommittedMessage, MessageIntent, SourceRef
+from actors.routing_tokens import MentionMode
+from protocol import frames as f
+from protocol.errors import ErrorCode, ProtocolError
+from protocol.reaction_keys import InvalidReactionKey, normalize_reaction_key
+from server.context import RequestContext, WorkspaceContext
+from server.rbac import Permission
+from storage import applier, messages, tenancy
+from storage.ids import is_valid_id
+
+if TYPE_CHECKING:
+    from server.app import Connection, Server
+
+
+def _not_found(what: str) -> ProtocolError:
+    return ProtocolError(ErrorCode.NOT_FOUND, f"{what} not found")
+
+
+def _check_id(value: str, prefix: str, what: str) -> str:
+    if not is_valid_id(value, prefix):
+        raise ProtocolError(ErrorCode.INVALID, f"malformed {what} id", details={"field": what})
+    return value
+
+
+def _actor(workspace: WorkspaceContext) -> ActorContext:
+    if workspace.member_id is None:
+        raise ProtocolError(ErrorCode.FORBIDDEN, "messaging needs a member")
+    return ActorContext(workspace_id=workspace.workspace_id, member_id=workspace.member_id,
+                        member_kind=workspace.member_kind or "human", owner_member_id=None,
+                        execution_generation=workspace.execution_generation)
+
+
+async def _scope(server: Server, ctx: RequestContext, scope_id: str, permission: Permission, *,
+                 allow_discoverable: bool = False) -> tuple[WorkspaceContext, asyncpg.Record]:
+    workspace = ctx.require(permission)
+    _check_id(scope_id, "scp", "scope")
+    row = await server.db.run(messages.scope_for_viewer, workspace.workspace_id, scope_id, workspace.member_id)
+    if row is None:
+        raise _not_found("scope")
+    if not row["readable"] and not (allow_discoverable and row["discoverable"]):
+        if row["discoverable"]:
+            raise ProtocolError(ErrorCode.FORBIDDEN, "join the channel first")
+        raise _not_found("scope")
+    return workspace, row
+
+
+async def _message_scope(server: Server, ctx: RequestContext, message_id: str,
+                         permission: Permission) -> tuple[WorkspaceContext, asyncpg.Record]:
+    workspace = ctx.require(permission)
+    _check_id(message_id, "msg", "message")
+    row = await server.db.run(messages.message_scope, workspace.workspace_id, workspace.member_id, message_id)
+    if row is None:
+        raise _not_found("message")
+    return workspace, row
+
+
+def scope_info(row: Any, is_member: bool | None = None) -> f.ScopeInfo:
+    return f.ScopeInfo(id=row["id"], type=row["type"], status=row["status"], latest_seq=row["latest_seq"],
+                       slug=row["slug"], display_name=row["display_name"], description=row["description"],
+                       visibility=row["visibility"], parent_scope_id=row.get("parent_scope_id"),
+                       root_message_id=row.get("root_message_id"), is_member=is_member)
+
+
+def _ms(value) -> int:
+    return int(value.timestamp() * 1000)
+
+
+def message_info(message: CommittedMessage | asyncpg.Record, reactions: list | None = None) -> f.MessageInfo:
+    get = (lambda k: getattr(message, k)) if isinstance(message, CommittedMessage) else (lambda k: message[k])
+    metadata = get("metadata")
+    if isinstance(metadata, str):
+        metadata = json.loads(metadata)
+    return f.MessageInfo(
+        id=get("id"), scope_id=get("scope_id"), seq=get("seq"), global_seq=get("workspace_global_seq"),
+        author_member_id=get("author_member_id"), author_type=get("author_type"),
+        message_type=get("message_type"), content=get("content"), revision=get("revision"), state=get("state"),
+        created_at_ms=_ms(get("created_at")), metadata=metadata or {}, client_message_id=get("client_message_id"),
+        thread_scope_id=None if isinstance(message, CommittedMessage) else message["thread_scope_id"],
+        reactions=[f.ReactionSummary(r["reaction_key"], r["count"], r["me"]) for r in reactions or []],
+        replayed=message.replayed if isinstance(message, CommittedMessage) else False,
+    )
+
+
+async def _submit(server: Server, scope_id: str, command: cmd.Command) -> Any:
+    try:
+        return await server.registry.submit(scope_id, command)
+    except cmd.Refused as exc:
+        raise ProtocolError(ErrorCode(exc.code), exc.message,
+                            details={"reason": exc.reason} if exc.reason else None) from None
+
+
+# --- scopes -----------------------------------------------------------------------------------
+
+async def channel_create(server: Server, connection: Connection, request: f.ChannelCreate,
+                         ctx: RequestContext) -> f.ScopeInfo:
+    workspace = ctx.require(Permission.MESSAGE_WRITE)
+    actor = _actor(workspace)
+    for member_id in request.member_ids:
+        _check_id(member_id, "mem", "member")
+    scope_id = await server.db.transaction(_create_channel_unit, workspace, request)
+    if request.member_ids:
+        await _submit(server, scope_id, cmd.ChangeMembers(actor, "invite", tuple(dict.fromkeys(request.member_ids))))
+    row = await server.db.run(messages.scope_for_viewer, workspace.workspace_id, scope_id, workspace.member_id)
+    return scope_info(row, True)
+
+
+async def _create_channel_unit(conn: asyncpg.Connection, workspace: WorkspaceContext, request: f.ChannelCreate) -> str:
+    await tenancy.pass_write_fence(conn, workspace.workspace_id, workspace.execution_generation)
+    return await applier.create_channel(conn, workspace_id=workspace.workspace_id, creator=workspace.member_id,
+                                        slug=request.slug, display_name=request.display_name,
+                                        description=request.description, visibility=request.visibility)
+
+
+async def channel_list(server: Server, connection: Connection, request: f.ChannelList,
+                       ctx: RequestContext) -> list[f.ScopeInfo]:
+    workspace = ctx.require(Permission.MESSAGE_READ)
+    rows = await server.db.run(messages.channel_list, workspace.workspace_id, workspace.member_id)
+    return [scope_info(r, r["is_member"]) for r in rows]
+
+
+async def dm_open(server: Server, connection: Connection, request: f.DmOpen, ctx: RequestContext) -> f.ScopeInfo:
+    workspace = ctx.require(Permission.MESSAGE_WRITE)
+    other_id = _check_id(request.member_id, "mem", "member")
+
+    async def unit(conn: asyncpg.Connection) -> str:
+        await tenancy.pass_write_fence(conn, workspace.workspace_id, workspace.execution_generation)
+        other = await messages.member_candidate(conn, workspace.workspace_id, other_id)
+        if other.status != "active":
+            raise ProtocolError(ErrorCode.CONFLICT, "that member is not active")
+        if other.kind == "agent" and other.visibility == "private" and other.owner_member_id != workspace.member_id:
+            raise ProtocolError(ErrorCode.FORBIDDEN, "a private agent talks only with its owner")
+        pair = sorted({workspace.member_id, other_id})
+        members = []
+        for member_id in pair:
+            candidate = other if member_id == other_id else None
+            private = candidate is not None and candidate.kind == "agent" and candidate.visibility == "private"
+            members.append((member_id, "private" if private else "public",
+                            candidate.owner_member_id if private else None))
+        return await applier.get_or_create_keyed_scope(
+            conn, workspace_id=workspace.workspace_id, type="dm",
+            identity_key=f"dm:{workspace.workspace_id}:" + ":".join(pair), created_by=workspace.member_id,
+            members=members)
+
+    scope_id = await server.db.transaction(unit)
+    row = await server.db.run(messages.scope_for_viewer, workspace.workspace_id, scope_id, workspace.member_id)
+    return scope_info(row, True)
+
+
+async def scope_get(server: Server, connection: Connection, request: f.ScopeGet, ctx: RequestContext) -> f.ScopeInfo:
+    _, row = await _scope(server, ctx, request.scope_id, Permission.MESSAGE_READ, allow_discoverable=True)
+    return scope_info(row, row["readable"])
+
+
+async def scope_members(server: Server, connection: Connection, request: f.ScopeMembers,
+                        ctx: RequestContext) -> list[f.ScopeMemberInfo]:
+    _, row = await _scope(server, ctx, request.scope_id, Permission.MESSAGE_READ)
+    return [f.ScopeMemberInfo(member_id=r["member_id"], handle=r["handle"], display_name=r["display_name"],
+                              kind=r["kind"], visibility=r["visibility"], owner_member_id=r["owner_member_id"])
+            for r in await server.db.run(messages.scope_members, row["id"])]
+
+
+async def scope_join(server: Server, connection: Connection, request: f.ScopeJoin, ctx: RequestContext) -> f.Ok:
+    workspace, row = await _scope(server, ctx, request.scope_id, Permission.MESSAGE_WRITE, allow_discoverable=True)
+    await _submit(server, row["id"], cmd.ChangeMembers(_actor(workspace), "join", (workspace.member_id,)))
+    return f.Ok()
+
+
+async def scope_leave(server: Server, connection: Connection, request: f.ScopeLeave, ctx: RequestContext) -> f.Ok:
+    workspace, row = await _scope(server, ctx, request.scope_id, Permission.MESSAGE_READ)
+    await _submit(server, row["id"], cmd.ChangeMembers(_actor(workspace), "leave", (workspace.member_id,)))
+    return f.Ok()
+
+
+async def scope_invite(server: Server, connection: Connection, request: f.ScopeInvite, ctx: RequestContext) -> f.Ok:
+    workspace, row = await _scope(server, ctx, request.scope_id, Permission.MESSAGE_WRITE)
+    ids = tuple(dict.fromkeys(_check_id(m, "mem", "member") for m in request.member_ids))
+    await _submit(server, row["id"], cmd.ChangeMembers(_actor(workspace), "invite", ids))
+    return f.Ok()
+
+
+async def scope_remove(server: Server, connection: Connection, request: f.ScopeRemove, ctx: RequestContext) -> f.Ok:
+    workspace, row = await _scope(server, ctx, request.scope_id, Permission.MESSAGE_WRITE)
+    member_id = _check_id(request.member_id, "mem", "member")
+    if row["type"] == "dm":
+        raise ProtocolError(ErrorCode.FORBIDDEN, "a DM's roster is fixed")
+    await _submit(server, row["id"], cmd.ChangeMembers(_actor(workspace), "remove", (member_id,)))
+    return f.Ok()
+
+
+async def scope_archive(server: Server, connection: Connection, request: f.ScopeArchive, ctx: RequestContext) -> f.Ok:
+    workspace, row = await _scope(server, ctx, request.scope_id, Permission.MESSAGE_WRITE)
+    if row["type"] == "channel" and Permission.RESOURCE_MANAGE not in workspace.permissions:
+        owner = await server.db.run(messages.channel_owner, row["id"])
+        if owner != workspace.member_id:
+            raise ProtocolError(ErrorCode.FORBIDDEN, "only the channel owner or a resource manager archives it")
+    await _submit(server, row["id"], cmd.Archive(_actor(workspace)))
+    return f.Ok()
+
+
+# --- sending ------------------------------------------------------------------------------------
+
+async def _send(server: Server, workspace: WorkspaceContext, scope_id: str, intent: MessageIntent) -> f.MessageInfo:
+    message = await _submit(server, scope_id, cmd.Send(_actor(workspace), intent))
+    return message_info(message)
+
+
+async def message_send(server: Server, connection: Connection, request: f.MessageSend,
+                       ctx: RequestContext) -> f.MessageInfo:
+    workspace, row = await _scope(server, ctx, request.scope_id, Permission.MESSAGE_WRITE)
+    sources: tuple[SourceRef, ...] = ()
+    if request.reply_to_message_id is not None:
+        source = await server.db.run(messages.message_for_viewer, workspace.workspace_id, workspace.member_id,
+                                     _check_id(request.reply_to_message_id, "msg", "message"))
+        if source is None or source["scope_id"] != row["id"]:
+            raise _not_found("message")
+        sources = (SourceRef("reply", source["id"], source["scope_id"], source["seq"]),)
+    return await _send(server, workspace, row["id"], MessageIntent(
+        scope_id=row["id"], content=request.content, message_type=request.message_type,
+        client_message_id=request.client_message_id, metadata=dict(request.metadata), sources=sources,
+        silent=request.silent))
+
+
+async def thread_reply(server: Server, connection: Connection, request: f.ThreadReply,
+                       ctx: RequestContext) -> f.MessageInfo:
+    workspace, parent = await _scope(server, ctx, request.scope_id, Permission.MESSAGE_WRITE)
+    root = await server.db.run(messages.message_for_viewer, workspace.workspace_id, workspace.member_id,
+                               _check_id(request.root_message_id, "msg", "message"))
+    if root is None or root["scope_id"] != parent["id"]:
+        raise _not_found("message")
+    if parent["type"] == "thread":
+        raise ProtocolError(ErrorCode.INVALID, "threads do not nest")
+    thread_id = root["thread_scope_id"]
+    if thread_id is None:
+        thread_id = await server.db.transaction(_open_thread_unit, workspace, parent["id"], root)
+    else:
+        await _ensure_thread_member(server, workspace, thread_id)
+    return await _send(server, workspace, thread_id, MessageIntent(
+        scope_id=thread_id, content=request.content, client_message_id=request.client_message_id))
+
+
+async def _open_thread_unit(conn: asyncpg.Connection, workspace: WorkspaceContext, parent_id: str,
+                            root: asyncpg.Record) -> str:
+    """The thread scope of a root message: its first members are the replier and
+    the root's author (when still in the parent and not a private agent)."""
+    await tenancy.pass_write_fence(conn, workspace.workspace_id, workspace.execution_generation)
+    parent_roster = await messages.open_roster(conn, parent_id)
+    members = [(workspace.member_id, "public", None)]
+    author = root["author_member_id"]
+    if author != workspace.member_id and author in parent_roster:
+        candidate = await messages.member_candidate(conn, workspace.workspace_id, author)
+        if not (candidate.kind == "agent" and candidate.visibility == "private"):
+            members.append((author, "public", None))
+    thread_id, _ = await applier.get_or_create_thread(conn, workspace_id=workspace.workspace_id,
+                                                      parent_scope_id=parent_id, root_message_id=root["id"],
+                                                      created_by=workspace.member_id, members=members)
+    return thread_id
+
+
+async def _ensure_thread_member(server: Server, workspace: WorkspaceContext, thread_id: str) -> None:
+    """Anyone who can read the parent may reply: replying joins the thread."""
+    membership = await server.db.run(messages.viewer_membership, thread_id, workspace.member_id)
+    if membership is None:
+        try:
+            await _submit(server, thread_id, cmd.ChangeMembers(_actor(workspace), "join_thread",
+                                                                (workspace.member_id,)))
+        except ProtocolError as exc:
+            if exc.details.get("reason") != "already_member":
+                raise
+
+
+async def message_forward(server: Server, connection: Connection, request: f.MessageForward,
+                          ctx: RequestContext) -> f.MessageInfo:
+    workspace, target = await _scope(server, ctx, request.scope_id, Permission.MESSAGE_WRITE)
+    sources = []
+    for message_id in dict.fromkeys(request.source_message_ids):
+        source = await server.db.run(messages.message_for_viewer, workspace.workspace_id, workspace.member_id,
+                                     _check_id(message_id, "msg", "message"))
+        if source is None or source["state"] != "visible":
+            raise _not_found("message")
+        sources.append(source)
+    single = len(sources) == 1
+    # A single forward re-sends the text (its mentions are live, §5.3); several
+    # are context only.
+    content = sources[0]["content"] if single and not request.comment else request.comment
+    return await _send(server, workspace, target["id"], MessageIntent(
+        scope_id=target["id"], content=content, client_message_id=request.client_message_id,
+        message_type="forward", metadata={"forwarded_message_ids": [s["id"] for s in sources]},
+        sources=tuple(SourceRef("forward" if single else "multi_forward", s["id"], s["scope_id"], s["seq"])
+                      for s in sources),
+        mention_mode=MentionMode.SINGLE_FORWARD if single else MentionMode.MULTI_FORWARD))
+
+
+async def message_edit(server: Server, connection: Connection, request: f.MessageEdit,
+                       ctx: RequestContext) -> f.MessageInfo:
+    workspace, located = await _message_scope(server, ctx, request.message_id, Permission.MESSAGE_WRITE)
+    row = await _submit(server, located["scope_id"], cmd.Edit(_actor(workspace), request.message_id, request.content,
+                                                              request.expected_revision))
+    return message_info(row)
+
+
+async def message_withdraw(server: Server, connection: Connection, request: f.MessageWithdraw,
+                           ctx: RequestContext) -> f.MessageInfo:
+    workspace, located = await _message_scope(server, ctx, request.message_id, Permission.MESSAGE_WRITE)
+    row = await _submit(server, located["scope_id"], cmd.Withdraw(_actor(workspace), request.message_id))
+    info = message_info(row)
+    info.content, info.metadata = "", {}
+    return info
+
+
+# --- reactions ---------------------------------------------------------------------------------------
+
+class ReactionRateLimiter:
+    """Token bucket per member: a burst, then a steady rate.  Over the limit the
+    command answers rate_limited (never accept-and-drop)."""
+
+    def __init__(self, rate_per_second: float = 5.0, burst: int = 20) -> None:
+        self.rate = rate_per_second
+        self.burst = burst
+        self._buckets: dict[str, tuple[float, float]] = defaultdict(lambda: (float(burst), time.monotonic()))
+
+    def take(self, member_id: str) -> bool:
+        tokens, last = self._buckets[member_id]
+        now = time.monotonic()
+        tokens = min(self.burst, tokens + (now - last) * self.rate)
+        if tokens < 1:
+            self._buckets[member_id] = (tokens, now)
+            return False
+        self._buckets[member_id] = (tokens - 1, now)
+        return True
+
+
+async def _react(server: Server, ctx: RequestContext, message_id: str, key: str, add: bool) -> f.Ok:
+    try:
+        canonical = normalize_reaction_key(key)
+    except InvalidReactionKey as exc:
+        raise ProtocolError(ErrorCode.INVALID, f"invalid reaction key: {exc}") from None
+    workspace, located = await _message_scope(server, ctx, message_id, Permission.MESSAGE_WRITE)
+    if not server.reaction_limiter.take(workspace.member_id):
+        raise ProtocolError(ErrorCode.RATE_LIMITED, "too many reactions; slow down")
+    await _submit(server, located["scope_id"], cmd.React(_actor(workspace), message_id, canonical, add))
+    return f.Ok()
+
+
+async def reaction_add(server: Server, connection: Connection, request: f.ReactionAdd, ctx: RequestContext) -> f.Ok:
+    return await _react(server, ctx, request.message_id, request.key, True)
+
+
+async def reaction_remove(server: Server, connection: Connection, request: f.ReactionRemove,
+                          ctx: RequestContext) -> f.Ok:
+    return await _react(server, ctx, request.message_id, request.key, False)
+
+
+# --- reads ----------------------------------------------------------------------------------------------
+
+async def message_history(server: Server, connection: Connection, request: f.MessageHistory,
+                          ctx: RequestContext) -> f.HistoryPage:
+    workspace, row = await _scope(server, ctx, request.scope_id, Permission.MESSAGE_READ)
+    if sum(x is not None for x in (request.before_seq, request.after_seq)) + request.from_first_unread > 1:
+        raise ProtocolError(ErrorCode.INVALID, "give at most one of before_seq, after_seq, from_first_unread")
+    membership = await server.db.run(messages.viewer_membership, row["id"], workspace.member_id)
+    after = request.after_seq
+    if request.from_first_unread:
+        after = membership["last_read_seq"] if membership else 0
+    rows, has_more = await server.db.run(messages.history, workspace.workspace_id, workspace.member_id, row["id"],
+                                         before_seq=request.before_seq, after_seq=after, limit=request.limit)
+    reactions = await server.db.run(messages.reaction_summaries, workspace.workspace_id, workspace.member_id,
+                                    [r["id"] for r in rows])
+    root = None
+    if row["type"] == "thread" and row["root_message_id"]:
+        # The root is context, still subject to the readable predicate.
+        root_row = await server.db.run(messages.message_for_viewer, workspace.workspace_id, workspace.member_id,
+                                       row["root_message_id"])
+        root = message_info(root_row) if root_row is not None else None
+    return f.HistoryPage(messages=[message_info(r, reactions.get(r["id"])) for r in rows], has_more=has_more,
+                         last_read_seq=membership["last_read_seq"] if membership else None, root=root)
+
+
+async def message_get(server: Server, connection: Connection, request: f.MessageGet,
+                      ctx: RequestContext) -> f.MessageDetail:
+    workspace = ctx.require(Permission.MESSAGE_READ)
+    _check_id(request.message_id, "msg", "message")
+    row = await server.db.run(messages.message_for_viewer, workspace.workspace_id, workspace.member_id,
+                              request.message_id)
+    if row is None:
+        raise _not_found("message")
+    reactions = await server.db.run(messages.reaction_summaries, workspace.workspace_id, workspace.member_id,
+                                    [row["id"]])
+    revisions = []
+    if request.include_revisions:
+        revisions = [f.RevisionInfo(r["revision"], r["content"], r["edited_by_member_id"], _ms(r["created_at"]))
+                     for r in await server.db.run(messages.message_revisions, workspace.workspace_id,
+                                                  workspace.member_id, row["id"])]
+    return f.MessageDetail(message=message_info(row, reactions.get(row["id"])), revisions=revisions)
+
+
+# --- read state, notifications, inbox ------------------------------------------------------------------------
+
+async def read_mark(server: Server, connection: Connection, request: f.ReadMark, ctx: RequestContext) -> dict:
+    workspace, row = await _scope(server, ctx, request.scope_id, Permission.MESSAGE_READ)
+    return await _submit(server, row["id"], cmd.MarkRead(_actor(workspace), request.seq))
+
+
+async def read_mark_unread(server: Server, connection: Connection, request: f.ReadMarkUnread,
+                           ctx: RequestContext) -> dict:
+    workspace, row = await _scope(server, ctx, request.scope_id, Permission.MESSAGE_READ)
+    return await _submit(server, row["id"], cmd.MarkRead(_actor(workspace), request.from_seq, unread=True))
+
+
+async def notification_set(server: Server, connection: Connection, request: f.NotificationSet,
+                           ctx: RequestContext) -> dict:
+    workspace, row = await _scope(server, ctx, request.scope_id, Permission.MESSAGE_READ)
+    return await _submit(server, row["id"], cmd.SetNotification(_actor(workspace), request.state))
+
+
+async def inbox_list(server: Server, connection: Connection, request: f.InboxList, ctx: RequestContext) -> f.InboxPage:
+    workspace = ctx.require(Permission.MESSAGE_READ)
+    after = None
+    if request.cursor is not None:
+        after = messages.decode_cursor(request.cursor)
+        if after is None:
+            raise ProtocolError(ErrorCode.INVALID, "malformed cursor")
+    rows, next_cursor = await server.db.run(messages.inbox, workspace.workspace_id, workspace.member_id,
+                                            after=after, limit=request.limit)
+    return f.InboxPage(conversations=[f.ConversationInfo(
+        scope_id=r["scope_id"], type=r["type"], latest_seq=r["latest_seq"], last_read_seq=r["last_read_seq"],
+        unread_count=r["unread_count"], pinned=bool(r["pinned"]), manual_unread=r["manual_unread"],
+        notification_state=r["notification_state"], activity_at_ms=int(r["activity_epoch"] * 1000),
+        display_name=r["display_name"], parent_scope_id=r["parent_scope_id"], last_message_id=r["last_message_id"],
+        last_author_member_id=r["last_author_member_id"], last_preview=r["last_preview"]) for r in rows],
+        next_cursor=next_cursor)
+
+
+async def conversation_action(server: Server, connection: Connection, request: f.ConversationAction,
+                              ctx: RequestContext) -> f.Ok:
+    workspace, row = await _scope(server, ctx, request.scope_id, Permission.MESSAGE_READ)
+    actor = _actor(workspace)
+    action = request.action
+    if action in ("mute", "unmute"):
+        await _submit(server, row["id"], cmd.SetNotification(actor, "mute" if action == "mute" else "active"))
+    elif action == "mark_read":
+        await _submit(server, row["id"], cmd.MarkRead(actor, row["latest_seq"]))
+    elif action == "mark_unread":
+        await _submit(server, row["id"], cmd.MarkRead(actor, None, unread=True))
+    else:
+        flags = {"pin": {"pinned": True}, "unpin": {"pinned": False}, "hide": {"hidden": True},
+                 "restore": {"hidden": False}}[action]
+        await server.db.transaction(applier.set_conversation_state, workspace.workspace_id, workspace.member_id,
+                                    row["id"], **flags)
+    return f.Ok()
+
+
+HANDLERS = {
+    f.ChannelCreate: channel_create, f.ChannelList: channel_list, f.DmOpen: dm_open, f.ScopeGet: scope_get,
+    f.ScopeMembers: scope_members, f.ScopeJoin: scope_join, f.ScopeLeave: scope_leave,
+    f.ScopeInvite: scope_invite, f.ScopeRemove: scope_remove, f.ScopeArchive: scope_archive,
+    f.MessageSend: message_send, f.ThreadReply: thread_reply, f.MessageForward: message_forward,
+    f.MessageEdit: message_edit, f.MessageWithdraw: message_withdraw, f.MessageHistory: message_history,
+    f.MessageGet: message_get, f.ReactionAdd: reaction_add, f.ReactionRemove: reaction_remove,
+    f.ReadMark: read_mark, f.ReadMarkUnread: read_mark_unread, f.NotificationSet: notification_set,
+    f.InboxList: inbox_list, f.ConversationAction: conversation_action,
+}

@@ -1,0 +1,513 @@
+"""The Applier: the only code that writes message-domain rows
+(scope-model.md §6.3).  A guardrail test fails if any other module contains an
+INSERT/UPDATE/DELETE on a message-domain table.
+
+In-transaction order for a send batch: allocate seqs → messages and sources →
+membership mutations → notification mutations → outbox → scope counters.
+Nothing here decides permissions; the Policy did that.
+"""
+
+from __future__ import annotations
+
+import json
+
+import asyncpg
+
+from actors.plan import CommittedMessage, MembershipMutation, MessagePlan
+from storage.errors import Conflict, NotFound
+from storage.ids import new_id
+
+MESSAGE_DOMAIN_TABLES = (
+    "scopes", "scope_channel_profiles", "scope_memberships", "scope_notification_settings",
+    "scope_private_grants", "scope_messages", "scope_message_revisions", "scope_message_sources",
+    "scope_activity_events", "scope_fanout_outbox", "scope_message_reactions", "conversation_member_states",
+    "workspace_message_counters",
+)
+
+# The inline owner delivers first; the worker replays only after this grace.
+INLINE_GRACE_SECONDS = 30
+
+
+# --- scope creation ----------------------------------------------------------------------
+
+async def _open_membership(conn: asyncpg.Connection, workspace_id: str, scope_id: str, member_id: str,
+                           latest_seq: int, visibility: str = "public", owner_member_id: str | None = None) -> None:
+    """A new participation interval: it starts after the current tail, and
+    everything already in the scope counts as read (service-account.md §3.2)."""
+    await conn.execute(
+        "INSERT INTO scope_memberships (id, workspace_id, scope_id, member_id, visibility, owner_member_id, "
+        "last_read_seq, effective_from_seq) VALUES ($1, $2, $3, $4, $5, $6, $7::bigint, $7::bigint + 1)",
+        new_id("smb"), workspace_id, scope_id, member_id, visibility, owner_member_id, latest_seq,
+    )
+    await conn.execute(
+        "INSERT INTO scope_notification_settings (scope_id, member_id, workspace_id) VALUES ($1, $2, $3) "
+        "ON CONFLICT (scope_id, member_id) DO NOTHING",
+        scope_id, member_id, workspace_id,
+    )
+
+
+async def create_scope(conn: asyncpg.Connection, *, workspace_id: str, type: str, created_by: str | None,
+                       members: list[tuple[str, str, str | None]], identity_key: str | None = None,
+                       parent_scope_id: str | None = None, root_message_id: str | None = None) -> str:
+    """A scope and its initial memberships [(member_id, visibility, owner_member_id)]."""
+    scope_id = new_id("scp")
+    await conn.execute(
+        "INSERT INTO scopes (id, workspace_id, type, parent_scope_id, root_message_id, identity_key, "
+        "created_by_member_id, roster_generation) VALUES ($1, $2, $3, $4, $5, $6, $7, 1)",
+        scope_id, workspace_id, type, parent_scope_id, root_message_id, identity_key, created_by,
+    )
+    for member_id, visibility, owner in members:
+        await _open_membership(conn, workspace_id, scope_id, member_id, 0, visibility, owner)
+    return scope_id
+
+
+async def create_channel(conn: asyncpg.Connection, *, workspace_id: str, creator: str, slug: str,
+                         display_name: str, description: str, visibility: str) -> str:
+    scope_id = await create_scope(conn, workspace_id=workspace_id, type="channel", created_by=creator,
+                                  members=[(creator, "public", None)])
+    try:
+        async with conn.transaction():
+            await conn.execute(
+                "INSERT INTO scope_channel_profiles (scope_id, workspace_id, slug, display_name, description, "
+                "visibility, owner_member_id) VALUES ($1, $2, $3, $4, $5, $6, $7)",
+                scope_id, workspace_id, slug, display_name, description, visibility, creator,
+            )
+    except asyncpg.UniqueViolationError:
+        raise Conflict("slug_taken", f"a channel named {slug!r} exists") from None
+    return scope_id
+
+
+async def get_or_create_keyed_scope(conn: asyncpg.Connection, *, workspace_id: str, type: str, identity_key: str,
+                                    created_by: str | None, members: list[tuple[str, str, str | None]]) -> str:
+    """DM / service_account / workflow scopes are unique by identity key."""
+    existing = await conn.fetchval("SELECT id FROM scopes WHERE identity_key = $1", identity_key)
+    if existing is not None:
+        return existing
+    try:
+        async with conn.transaction():
+            return await create_scope(conn, workspace_id=workspace_id, type=type, created_by=created_by,
+                                      members=members, identity_key=identity_key)
+    except asyncpg.UniqueViolationError:  # created concurrently
+        return await conn.fetchval("SELECT id FROM scopes WHERE identity_key = $1", identity_key)
+
+
+async def get_or_create_thread(conn: asyncpg.Connection, *, workspace_id: str, parent_scope_id: str,
+                               root_message_id: str, created_by: str,
+                               members: list[tuple[str, str, str | None]]) -> tuple[str, bool]:
+    existing = await conn.fetchval(
+        "SELECT id FROM scopes WHERE parent_scope_id = $1 AND root_message_id = $2", parent_scope_id, root_message_id
+    )
+    if existing is not None:
+        return existing, False
+    scope_id = await create_scope(conn, workspace_id=workspace_id, type="thread", created_by=created_by,
+                                  members=members, parent_scope_id=parent_scope_id, root_message_id=root_message_id)
+    await conn.execute(
+        "UPDATE scope_messages SET thread_scope_id = $3 WHERE scope_id = $1 AND id = $2",
+        parent_scope_id, root_message_id, scope_id,
+    )
+    return scope_id, True
+
+
+async def archive_scope(conn: asyncpg.Connection, scope_id: str) -> None:
+    await conn.execute(
+        "UPDATE scopes SET status = 'archived', archived_at = now(), archived_until_seq = latest_seq, "
+        "updated_at = now(), roster_generation = roster_generation + 1 WHERE id = $1",
+        scope_id,
+    )
+
+
+# --- memberships -------------------------------------------------------------------------
+
+async def apply_membership_mutations(conn: asyncpg.Connection, workspace_id: str, scope_id: str,
+                                     mutations: list[MembershipMutation], latest_seq: int,
+                                     opened_at_seq: dict[str, int] | None = None) -> int:
+    """Open/close intervals; every eligibility mutation bumps roster_generation.
+    `opened_at_seq` lets a mention-admission include the admitting message."""
+    if not mutations:
+        return await conn.fetchval("SELECT roster_generation FROM scopes WHERE id = $1", scope_id)
+    for mutation in mutations:
+        if mutation.action == "open":
+            baseline = latest_seq
+            if opened_at_seq and mutation.member_id in opened_at_seq:
+                baseline = opened_at_seq[mutation.member_id] - 1
+            await _open_membership(conn, workspace_id, scope_id, mutation.member_id, baseline,
+                                   mutation.visibility, mutation.owner_member_id)
+        else:
+            closed = await conn.execute(
+                "UPDATE scope_memberships SET effective_to_seq = $3, removed_at = now(), updated_at = now() "
+                "WHERE scope_id = $1 AND member_id = $2 AND effective_to_seq IS NULL",
+                scope_id, mutation.member_id, latest_seq,
+            )
+            if closed == "UPDATE 0":
+                raise NotFound("membership")
+    return await conn.fetchval(
+        "UPDATE scopes SET roster_generation = roster_generation + 1, updated_at = now() WHERE id = $1 "
+        "RETURNING roster_generation",
+        scope_id,
+    )
+
+
+async def bulk_open_memberships(conn: asyncpg.Connection, workspace_id: str, scope_id: str,
+                                member_ids: list[str]) -> int:
+    """Large roster imports (service-account audiences, benchmarks): one statement."""
+    latest = await conn.fetchval("SELECT latest_seq FROM scopes WHERE id = $1 FOR UPDATE", scope_id)
+    await conn.execute(
+        "INSERT INTO scope_memberships (id, workspace_id, scope_id, member_id, last_read_seq, effective_from_seq) "
+        "SELECT i, $2, $3, m, $4, $4 + 1 FROM unnest($1::text[], $5::text[]) AS t(i, m)",
+        [new_id("smb") for _ in member_ids], workspace_id, scope_id, latest, member_ids,
+    )
+    await conn.execute(
+        "INSERT INTO scope_notification_settings (scope_id, member_id, workspace_id) "
+        "SELECT $1, m, $2 FROM unnest($3::text[]) AS t(m) ON CONFLICT DO NOTHING",
+        scope_id, workspace_id, member_ids,
+    )
+    return await conn.fetchval(
+        "UPDATE scopes SET roster_generation = roster_generation + 1 WHERE id = $1 RETURNING roster_generation",
+        scope_id,
+    )
+
+
+# --- the send batch ------------------------------------------------------------------------
+
+async def find_idempotent(conn: asyncpg.Connection, scope_id: str,
+                          client_ids: list[str]) -> dict[tuple[str, str, str], asyncpg.Record]:
+    if not client_ids:
+        return {}
+    rows = await conn.fetch(
+        "SELECT * FROM scope_messages WHERE scope_id = $1 AND client_message_id = ANY($2::text[])",
+        scope_id, client_ids,
+    )
+    return {(r["author_member_id"], r["idempotency_subject_member_id"], r["client_message_id"]): r for r in rows}
+
+
+async def insert_messages(conn: asyncpg.Connection, workspace_id: str, scope_id: str,
+                          plans: list[MessagePlan]) -> list[CommittedMessage]:
+    """Allocate seqs and insert fresh messages (the caller handled idempotency).
+    O(1) rows per message whatever the audience: the message, its sources, one
+    outbox row (none when silent)."""
+    count = len(plans)
+    # The workspace counter row stays locked until commit: allocation order ==
+    # commit order within the workspace (see storage/schema.py).
+    global_tail = await conn.fetchval(
+        "INSERT INTO workspace_message_counters (workspace_id, latest_global_seq) VALUES ($1, $2) "
+        "ON CONFLICT (workspace_id) DO UPDATE SET latest_global_seq = workspace_message_counters.latest_global_seq + $2 "
+        "RETURNING latest_global_seq",
+        workspace_id, count,
+    )
+    scope_tail = await conn.fetchval(
+        "UPDATE scopes SET latest_seq = latest_seq + $2, latest_global_seq = $3, latest_message_at = now(), "
+        "updated_at = now() WHERE id = $1 RETURNING latest_seq",
+        scope_id, count, global_tail,
+    )
+    ids = [new_id("msg") for _ in plans]
+    seqs = list(range(scope_tail - count + 1, scope_tail + 1))
+    global_seqs = list(range(global_tail - count + 1, global_tail + 1))
+    metadata = [_metadata_for(plan) for plan in plans]
+    rows = await conn.fetch(
+        "INSERT INTO scope_messages (id, workspace_id, scope_id, seq, workspace_global_seq, author_member_id, "
+        "author_type, notify_principal_member_id, idempotency_subject_member_id, client_message_id, "
+        "idempotency_payload_digest, message_type, content, metadata) "
+        "SELECT i, $1, $2, s, g, a, at, n, sub, c, d, mt, ct, md::jsonb FROM unnest("
+        "$3::text[], $4::bigint[], $5::bigint[], $6::text[], $7::text[], $8::text[], $9::text[], $10::text[], "
+        "$11::bytea[], $12::text[], $13::text[], $14::text[]) AS t(i, s, g, a, at, n, sub, c, d, mt, ct, md) "
+        "RETURNING created_at",
+        workspace_id, scope_id, ids, seqs, global_seqs,
+        [p.actor.member_id for p in plans], [p.actor.member_kind for p in plans],
+        [p.actor.notify_principal_member_id or p.actor.member_id for p in plans],
+        [p.actor.idempotency_subject_member_id or p.actor.member_id for p in plans],
+        [p.intent.client_message_id for p in plans],
+        [p.digest if p.intent.client_message_id is not None else None for p in plans],
+        [p.intent.message_type for p in plans], [p.intent.content for p in plans],
+        [json.dumps(m) for m in metadata],
+    )
+    await _insert_sources(conn, workspace_id, scope_id, ids, plans)
+    await _insert_message_outbox(conn, workspace_id, scope_id, ids, plans)
+    created_at = rows[0]["created_at"]
+    return [
+        CommittedMessage(id=i, workspace_id=workspace_id, scope_id=scope_id, seq=s, workspace_global_seq=g,
+                         author_member_id=p.actor.member_id, author_type=p.actor.member_kind,
+                         message_type=p.intent.message_type, content=p.intent.content, metadata=m,
+                         client_message_id=p.intent.client_message_id, created_at=created_at)
+        for i, s, g, p, m in zip(ids, seqs, global_seqs, plans, metadata)
+    ]
+
+
+def _metadata_for(plan: MessagePlan) -> dict[str, Any]:
+    metadata = dict(plan.intent.metadata)
+    if plan.live_mentions:
+        metadata["mentions"] = list(plan.live_mentions)
+    if plan.intent.silent:
+        metadata["silent"] = True
+    return metadata
+
+
+async def _insert_sources(conn: asyncpg.Connection, workspace_id: str, scope_id: str, ids: list[str],
+                          plans: list[MessagePlan]) -> None:
+    rows = [(message_id, ordinal, workspace_id, scope_id, source.scope_id, source.seq, source.message_id,
+             source.kind, f"{source.kind}:{source.message_id}")
+            for message_id, plan in zip(ids, plans) for ordinal, source in enumerate(plan.intent.sources)]
+    if rows:
+        await conn.executemany(
+            "INSERT INTO scope_message_sources (message_id, ordinal, workspace_id, target_scope_id, source_scope_id, "
+            "source_seq, source_message_id, source_kind, source_dedupe_key) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+            rows,
+        )
+
+
+async def _insert_message_outbox(conn: asyncpg.Connection, workspace_id: str, scope_id: str, ids: list[str],
+                                 plans: list[MessagePlan]) -> None:
+    rows = [(new_id("obx"), message_id, event.event_ref_type, message_id, event.fanout_type, event.policy.value,
+             f"{event.fanout_type}:{message_id}",
+             json.dumps({"mentions": list(plan.live_mentions),
+                         "explain": [[e.member_id, e.reason, e.delivered] for e in plan.explain]}),
+             plan.actor.execution_generation)
+            for message_id, plan in zip(ids, plans) for event in plan.outbox]
+    if not rows:
+        return
+    columns = list(zip(*rows))
+    await conn.execute(
+        "INSERT INTO scope_fanout_outbox (id, workspace_id, scope_id, message_id, event_ref_type, event_ref_id, "
+        "fanout_type, delivery_policy, dedupe_key, payload, execution_generation, next_attempt_at) "
+        "SELECT i, $1, $2, m, rt, ri, ft, dp, dk, p::jsonb, g, now() + make_interval(secs => $12) FROM unnest("
+        "$3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::text[], $9::text[], $10::text[], "
+        "$11::bigint[]) AS t(i, m, rt, ri, ft, dp, dk, p, g)",
+        workspace_id, scope_id, *[list(c) for c in columns], INLINE_GRACE_SECONDS,
+    )
+
+
+async def enqueue_mutation(conn: asyncpg.Connection, workspace_id: str, scope_id: str, message_id: str,
+                           fanout_type: str, dedupe_key: str, payload: dict, generation: int) -> None:
+    """worker_first_mutation: edits and withdrawals are projected by the outbox worker."""
+    await conn.execute(
+        "INSERT INTO scope_fanout_outbox (id, workspace_id, scope_id, message_id, event_ref_type, event_ref_id, "
+        "fanout_type, delivery_policy, dedupe_key, payload, execution_generation) "
+        "VALUES ($1, $2, $3, $4, 'message', $4, $5, 'worker_first_mutation', $6, $7::jsonb, $8) "
+        "ON CONFLICT (dedupe_key) DO NOTHING",
+        new_id("obx"), workspace_id, scope_id, message_id, fanout_type, dedupe_key, json.dumps(payload), generation,
+    )
+
+
+# --- edits, withdrawal, reactions -------------------------------------------------------------
+
+async def edit_message(conn: asyncpg.Connection, scope_id: str, message_id: str, editor: str, content: str,
+                       expected_revision: int, generation: int) -> asyncpg.Record:
+    row = await conn.fetchrow(
+        "SELECT workspace_id, author_member_id, revision, state, content, metadata FROM scope_messages "
+        "WHERE scope_id = $1 AND id = $2 FOR UPDATE",
+        scope_id, message_id,
+    )
+    if row is None:
+        raise NotFound("message")
+    if row["state"] == "withdrawn":
+        raise Conflict("message_withdrawn", "the message was withdrawn")
+    if row["revision"] != expected_revision:
+        raise Conflict("revision_mismatch", f"the message is at revision {row['revision']}")
+    if row["revision"] == 1:  # keep the original before the first edit replaces it
+        await conn.execute(
+            "INSERT INTO scope_message_revisions (message_id, revision, workspace_id, scope_id, content, metadata, "
+            "edited_by_member_id) VALUES ($1, 1, $2, $3, $4, $5, $6)",
+            message_id, row["workspace_id"], scope_id, row["content"], row["metadata"], row["author_member_id"],
+        )
+    revision = row["revision"] + 1
+    await conn.execute(
+        "INSERT INTO scope_message_revisions (message_id, revision, workspace_id, scope_id, content, metadata, "
+        "edited_by_member_id) VALUES ($1, $2, $3, $4, $5, $6, $7)",
+        message_id, revision, row["workspace_id"], scope_id, content, row["metadata"], editor,
+    )
+    updated = await conn.fetchrow(
+        "UPDATE scope_messages SET content = $3, revision = $4, updated_at = now() WHERE scope_id = $1 AND id = $2 "
+        "RETURNING *",
+        scope_id, message_id, content, revision,
+    )
+    await enqueue_mutation(conn, row["workspace_id"], scope_id, message_id, "message.edited",
+                           f"message.edited:{message_id}:{revision}", {"revision": revision}, generation)
+    return updated
+
+
+async def withdraw_message(conn: asyncpg.Connection, scope_id: str, message_id: str, actor: str,
+                           generation: int) -> asyncpg.Record:
+    row = await conn.fetchrow(
+        "SELECT workspace_id, state FROM scope_messages WHERE scope_id = $1 AND id = $2 FOR UPDATE",
+        scope_id, message_id,
+    )
+    if row is None:
+        raise NotFound("message")
+    if row["state"] == "withdrawn":
+        raise Conflict("message_withdrawn", "the message was already withdrawn")
+    updated = await conn.fetchrow(
+        "UPDATE scope_messages SET state = 'withdrawn', withdrawn_at = now(), withdrawn_by_member_id = $3, "
+        "updated_at = now() WHERE scope_id = $1 AND id = $2 RETURNING *",
+        scope_id, message_id, actor,
+    )
+    # A withdrawn message's pending deliveries are suppressed (re-checked by the worker too).
+    await conn.execute(
+        "UPDATE scope_fanout_outbox SET status = 'suppressed', suppressed_at = now(), "
+        "suppression_reason = 'message_withdrawn', lease_owner = NULL, lease_expires_at = NULL "
+        "WHERE scope_id = $1 AND message_id = $2 AND status IN ('pending', 'leased') "
+        "AND fanout_type = 'message.created'",
+        scope_id, message_id,
+    )
+    await enqueue_mutation(conn, row["workspace_id"], scope_id, message_id, "message.withdrawn",
+                           f"message.withdrawn:{message_id}", {}, generation)
+    return updated
+
+
+async def set_reaction(conn: asyncpg.Connection, workspace_id: str, scope_id: str, message_id: str, member_id: str,
+                       key: str, add: bool) -> bool:
+    """Assert add/remove of (member, message, key); the last committed assertion
+    wins.  Returns whether the visible set changed.  Removal keeps no row."""
+    state = await conn.fetchval(
+        "SELECT state FROM scope_messages WHERE scope_id = $1 AND id = $2", scope_id, message_id
+    )
+    if state is None:
+        raise NotFound("message")
+    if state == "withdrawn":
+        raise Conflict("message_withdrawn", "the message was withdrawn")
+    if add:
+        result = await conn.execute(
+            "INSERT INTO scope_message_reactions (message_id, member_id, reaction_key, workspace_id, scope_id) "
+            "VALUES ($1, $2, $3, $4, $5) ON CONFLICT DO NOTHING",
+            message_id, member_id, key, workspace_id, scope_id,
+        )
+    else:
+        result = await conn.execute(
+            "DELETE FROM scope_message_reactions WHERE message_id = $1 AND member_id = $2 AND reaction_key = $3",
+            message_id, member_id, key,
+        )
+    changed = not result.endswith(" 0")
+    if changed:
+        await _activity_event(conn, workspace_id, scope_id, "reaction.added" if add else "reaction.removed",
+                              "message", message_id, message_id, member_id, {"key": key})
+    return changed
+
+
+async def _activity_event(conn: asyncpg.Connection, workspace_id: str, scope_id: str, activity_type: str,
+                          ref_type: str, ref_id: str, source_message_id: str | None, actor: str,
+                          payload: dict) -> None:
+    """A non-message activity event (never for message-created/mentions)."""
+    activity_seq = await conn.fetchval(
+        "INSERT INTO workspace_message_counters (workspace_id, latest_activity_global_seq) VALUES ($1, 1) "
+        "ON CONFLICT (workspace_id) DO UPDATE SET "
+        "latest_activity_global_seq = workspace_message_counters.latest_activity_global_seq + 1 "
+        "RETURNING latest_activity_global_seq",
+        workspace_id,
+    )
+    await conn.execute(
+        "INSERT INTO scope_activity_events (id, workspace_id, scope_id, activity_type, activity_ref_type, "
+        "activity_ref_id, activity_global_seq, source_message_id, actor_member_id, payload) "
+        "VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10::jsonb)",
+        new_id("act"), workspace_id, scope_id, activity_type, ref_type, ref_id, activity_seq, source_message_id,
+        actor, json.dumps(payload),
+    )
+
+
+# --- read state and personal conversation state --------------------------------------------------
+
+async def mark_read(conn: asyncpg.Connection, scope_id: str, member_id: str, seq: int) -> int:
+    """Move the cursor forward only, never past the tail; clears manual unread."""
+    value = await conn.fetchval(
+        "UPDATE scope_memberships SET last_read_seq = GREATEST(last_read_seq, LEAST($3, s.latest_seq)), "
+        "updated_at = now() FROM scopes s WHERE s.id = scope_memberships.scope_id "
+        "AND scope_memberships.scope_id = $1 AND member_id = $2 AND effective_to_seq IS NULL "
+        "RETURNING last_read_seq",
+        scope_id, member_id, seq,
+    )
+    if value is None:
+        raise NotFound("membership")
+    await conn.execute(
+        "UPDATE conversation_member_states SET manual_unread_at = NULL, updated_at = now() "
+        "WHERE scope_id = $1 AND member_id = $2 AND manual_unread_at IS NOT NULL",
+        scope_id, member_id,
+    )
+    return value
+
+
+async def mark_unread(conn: asyncpg.Connection, workspace_id: str, scope_id: str, member_id: str,
+                      from_seq: int | None) -> int:
+    """Unread from `from_seq` on (or only flag the conversation when None)."""
+    value = await conn.fetchval(
+        "UPDATE scope_memberships SET last_read_seq = CASE WHEN $3::bigint IS NULL THEN last_read_seq "
+        "ELSE LEAST(last_read_seq, GREATEST($3::bigint - 1, 0)) END, updated_at = now() "
+        "WHERE scope_id = $1 AND member_id = $2 AND effective_to_seq IS NULL RETURNING last_read_seq",
+        scope_id, member_id, from_seq,
+    )
+    if value is None:
+        raise NotFound("membership")
+    await set_conversation_state(conn, workspace_id, member_id, scope_id, manual_unread=True)
+    return value
+
+
+async def set_notification_state(conn: asyncpg.Connection, workspace_id: str, scope_id: str, member_id: str,
+                                 state: str) -> None:
+    await conn.execute(
+        "INSERT INTO scope_notification_settings (scope_id, member_id, workspace_id, state) VALUES ($1, $2, $3, $4) "
+        "ON CONFLICT (scope_id, member_id) DO UPDATE SET state = EXCLUDED.state, updated_at = now()",
+        scope_id, member_id, workspace_id, state,
+    )
+
+
+async def set_conversation_state(conn: asyncpg.Connection, workspace_id: str, member_id: str, scope_id: str, *,
+                                 pinned: bool | None = None, hidden: bool | None = None,
+                                 manual_unread: bool | None = None) -> None:
+    await conn.execute(
+        "INSERT INTO conversation_member_states (workspace_id, member_id, scope_id) VALUES ($1, $2, $3) "
+        "ON CONFLICT DO NOTHING",
+        workspace_id, member_id, scope_id,
+    )
+    await conn.execute(
+        "UPDATE conversation_member_states c SET "
+        "pinned_at = CASE WHEN $4::boolean IS NULL THEN pinned_at WHEN $4 THEN coalesce(pinned_at, now()) END, "
+        "hidden_at = CASE WHEN $5::boolean IS NULL THEN hidden_at WHEN $5 THEN now() END, "
+        "hidden_through_seq = CASE WHEN $5::boolean IS NULL THEN hidden_through_seq WHEN $5 THEN "
+        "(SELECT latest_seq FROM scopes WHERE id = $3) END, "
+        "manual_unread_at = CASE WHEN $6::boolean IS NULL THEN manual_unread_at WHEN $6 THEN now() END, "
+        "updated_at = now() WHERE workspace_id = $1 AND member_id = $2 AND scope_id = $3",
+        workspace_id, member_id, scope_id, pinned, hidden, manual_unread,
+    )
+
+
+# --- outbox settlement (the worker and the inline owner) -------------------------------------------
+
+async def settle_delivered(conn: asyncpg.Connection, outbox_ids: list[str]) -> None:
+    await conn.execute(
+        "UPDATE scope_fanout_outbox SET status = 'delivered', delivered_at = now(), lease_owner = NULL, "
+        "lease_expires_at = NULL, attempts = attempts + 1 WHERE id = ANY($1::text[]) AND status IN ('pending', 'leased')",
+        outbox_ids,
+    )
+
+
+async def settle_inline_delivered(conn: asyncpg.Connection, message_ids: list[str]) -> None:
+    """The inline owner delivered these messages' message.created events."""
+    await conn.execute(
+        "UPDATE scope_fanout_outbox SET status = 'delivered', delivered_at = now(), attempts = attempts + 1 "
+        "WHERE message_id = ANY($1::text[]) AND fanout_type = 'message.created' AND status = 'pending'",
+        message_ids,
+    )
+
+
+async def lease_due(conn: asyncpg.Connection, owner: str, limit: int, lease_seconds: float) -> list[asyncpg.Record]:
+    return await conn.fetch(
+        "UPDATE scope_fanout_outbox SET status = 'leased', lease_owner = $1, "
+        "lease_expires_at = now() + make_interval(secs => $3) WHERE id IN ("
+        " SELECT id FROM scope_fanout_outbox WHERE status IN ('pending', 'leased') AND next_attempt_at <= now() "
+        " AND (status = 'pending' OR lease_expires_at < now()) ORDER BY next_attempt_at LIMIT $2 "
+        " FOR UPDATE SKIP LOCKED) RETURNING *",
+        owner, limit, lease_seconds,
+    )
+
+
+async def settle_suppressed(conn: asyncpg.Connection, outbox_id: str, reason: str) -> None:
+    await conn.execute(
+        "UPDATE scope_fanout_outbox SET status = 'suppressed', suppressed_at = now(), suppression_reason = $2, "
+        "lease_owner = NULL, lease_expires_at = NULL WHERE id = $1",
+        outbox_id, reason,
+    )
+
+
+async def settle_failed_attempt(conn: asyncpg.Connection, outbox_id: str, error: str, backoff_seconds: float) -> None:
+    await conn.execute(
+        "UPDATE scope_fanout_outbox SET attempts = attempts + 1, last_error = $2, lease_owner = NULL, "
+        "lease_expires_at = NULL, next_attempt_at = now() + make_interval(secs => $3), "
+        "status = CASE WHEN attempts + 1 >= max_attempts THEN 'failed' ELSE 'pending' END WHERE id = $1",
+        outbox_id, error[:2000], backoff_seconds,
+    )

@@ -1,0 +1,317 @@
+"""Message-domain reads: scope state for actors, and every member-facing read
+(history, permalink, reactions, read checks, inbox) through ONE readable
+predicate.
+
+The predicate is `readable_sql()`: today a viewer reads a scope's messages
+through a current (open) membership in that scope.  The private-agent rules
+(owner-private visibility, grants, People collaborators) extend this same
+predicate; every read below calls it, none re-implements it.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import asyncpg
+
+from actors.plan import CommittedMessage, MentionCandidate, RosterEntry, ScopeContext
+from storage.errors import NotFound
+
+
+def readable_sql(message: str = "m", viewer: str = "$2") -> str:
+    """SQL yielding the visibility reason (text) of `message` for `viewer`, or NULL."""
+    return (
+        f"(CASE WHEN EXISTS (SELECT 1 FROM scope_memberships rv WHERE rv.scope_id = {message}.scope_id "
+        f"AND rv.member_id = {viewer} AND rv.effective_to_seq IS NULL) THEN 'membership' END)"
+    )
+
+
+def scope_readable_sql(scope: str = "s", viewer: str = "$2") -> str:
+    """The same rule at scope level (may the viewer read this scope at all)."""
+    return (
+        f"EXISTS (SELECT 1 FROM scope_memberships rv WHERE rv.scope_id = {scope}.id "
+        f"AND rv.member_id = {viewer} AND rv.effective_to_seq IS NULL)"
+    )
+
+
+# --- actor state ---------------------------------------------------------------------------
+
+async def load_scope_context(conn: asyncpg.Connection, scope_id: str) -> ScopeContext | None:
+    scope = await conn.fetchrow(
+        "SELECT s.id, s.workspace_id, s.type, s.status, s.parent_scope_id, s.root_message_id, s.latest_seq, "
+        "s.roster_generation, p.visibility FROM scopes s LEFT JOIN scope_channel_profiles p ON p.scope_id = s.id "
+        "WHERE s.id = $1",
+        scope_id,
+    )
+    if scope is None:
+        return None
+    roster = await conn.fetch(
+        "SELECT sm.member_id, mem.kind, sm.visibility, sm.owner_member_id, sm.last_read_seq FROM scope_memberships sm "
+        "JOIN members mem ON mem.workspace_id = sm.workspace_id AND mem.id = sm.member_id "
+        "WHERE sm.scope_id = $1 AND sm.effective_to_seq IS NULL",
+        scope_id,
+    )
+    return ScopeContext(
+        scope_id=scope["id"], workspace_id=scope["workspace_id"], type=scope["type"], status=scope["status"],
+        parent_scope_id=scope["parent_scope_id"], root_message_id=scope["root_message_id"],
+        latest_seq=scope["latest_seq"], roster_generation=scope["roster_generation"], visibility=scope["visibility"],
+        roster={r["member_id"]: RosterEntry(r["member_id"], r["kind"], r["visibility"], r["owner_member_id"],
+                                            r["last_read_seq"]) for r in roster},
+    )
+
+
+async def mention_candidates(conn: asyncpg.Connection, workspace_id: str,
+                             handles: list[str]) -> dict[str, MentionCandidate]:
+    if not handles:
+        return {}
+    rows = await conn.fetch(
+        "SELECT id, handle, kind, status, visibility, owner_member_id FROM members "
+        "WHERE workspace_id = $1 AND handle = ANY($2::text[])",
+        workspace_id, handles,
+    )
+    return {r["handle"]: MentionCandidate(r["id"], r["handle"], r["kind"], r["status"], r["visibility"],
+                                          r["owner_member_id"]) for r in rows}
+
+
+async def member_candidate(conn: asyncpg.Connection, workspace_id: str, member_id: str) -> MentionCandidate:
+    row = await conn.fetchrow(
+        "SELECT id, handle, kind, status, visibility, owner_member_id FROM members WHERE workspace_id = $1 AND id = $2",
+        workspace_id, member_id,
+    )
+    if row is None:
+        raise NotFound("member")
+    return MentionCandidate(row["id"], row["handle"], row["kind"], row["status"], row["visibility"],
+                            row["owner_member_id"])
+
+
+def committed_from_row(row: asyncpg.Record, *, replayed: bool = False) -> CommittedMessage:
+    metadata = row["metadata"]
+    return CommittedMessage(
+        id=row["id"], workspace_id=row["workspace_id"], scope_id=row["scope_id"], seq=row["seq"],
+        workspace_global_seq=row["workspace_global_seq"], author_member_id=row["author_member_id"],
+        author_type=row["author_type"], message_type=row["message_type"], content=row["content"],
+        metadata=json.loads(metadata) if isinstance(metadata, str) else metadata,
+        client_message_id=row["client_message_id"], created_at=row["created_at"], revision=row["revision"],
+        state=row["state"], replayed=replayed)
+
+
+async def committed_message(conn: asyncpg.Connection, scope_id: str, message_id: str) -> CommittedMessage | None:
+    """A message as its events carry it (system read for the outbox worker)."""
+    row = await conn.fetchrow("SELECT * FROM scope_messages WHERE scope_id = $1 AND id = $2", scope_id, message_id)
+    return committed_from_row(row) if row is not None else None
+
+
+async def open_roster(conn: asyncpg.Connection, scope_id: str) -> frozenset[str]:
+    rows = await conn.fetch(
+        "SELECT member_id FROM scope_memberships WHERE scope_id = $1 AND effective_to_seq IS NULL", scope_id
+    )
+    return frozenset(r["member_id"] for r in rows)
+
+
+# --- scope lookups for members ------------------------------------------------------------------
+
+async def scope_for_viewer(conn: asyncpg.Connection, workspace_id: str, scope_id: str,
+                           viewer: str) -> asyncpg.Record | None:
+    """The scope as the viewer may know it: None when it does not exist here;
+    `readable` tells whether the viewer may read it; `discoverable` whether its
+    existence may be revealed (public channels)."""
+    return await conn.fetchrow(
+        f"SELECT s.id, s.workspace_id, s.type, s.status, s.parent_scope_id, s.root_message_id, s.latest_seq, "
+        f"s.latest_message_at, s.created_at, p.slug, p.display_name, p.description, p.visibility, "
+        f"{scope_readable_sql('s', '$3')} AS readable, "
+        f"(s.type = 'channel' AND p.visibility = 'public') AS discoverable FROM scopes s "
+        f"LEFT JOIN scope_channel_profiles p ON p.scope_id = s.id WHERE s.workspace_id = $1 AND s.id = $2",
+        workspace_id, scope_id, viewer,
+    )
+
+
+async def channel_list(conn: asyncpg.Connection, workspace_id: str, viewer: str) -> list[asyncpg.Record]:
+    """Public channels, and private channels the viewer belongs to."""
+    return await conn.fetch(
+        f"SELECT s.id, s.type, s.status, s.latest_seq, s.latest_message_at, p.slug, p.display_name, p.description, "
+        f"p.visibility, {scope_readable_sql('s', '$2')} AS is_member FROM scopes s "
+        f"JOIN scope_channel_profiles p ON p.scope_id = s.id WHERE s.workspace_id = $1 AND s.status <> 'deleted' "
+        f"AND (p.visibility = 'public' OR {scope_readable_sql('s', '$2')}) ORDER BY p.slug",
+        workspace_id, viewer,
+    )
+
+
+async def channel_owner(conn: asyncpg.Connection, scope_id: str) -> str | None:
+    return await conn.fetchval("SELECT owner_member_id FROM scope_channel_profiles WHERE scope_id = $1", scope_id)
+
+
+async def scope_members(conn: asyncpg.Connection, scope_id: str) -> list[asyncpg.Record]:
+    """Current members; private members carry their owner (shown only as private)."""
+    return await conn.fetch(
+        "SELECT sm.member_id, mem.handle, mem.display_name, mem.kind, sm.visibility, sm.owner_member_id, "
+        "sm.effective_from_seq FROM scope_memberships sm JOIN members mem ON mem.workspace_id = sm.workspace_id "
+        "AND mem.id = sm.member_id WHERE sm.scope_id = $1 AND sm.effective_to_seq IS NULL ORDER BY sm.member_id",
+        scope_id,
+    )
+
+
+async def message_scope(conn: asyncpg.Connection, workspace_id: str, viewer: str,
+                        message_id: str) -> asyncpg.Record | None:
+    """Which scope a message is in, only if the viewer may read it."""
+    return await conn.fetchrow(
+        f"SELECT m.scope_id, m.seq, m.author_member_id, m.state, m.revision FROM scope_messages m "
+        f"WHERE m.workspace_id = $1 AND m.id = $3 AND {readable_sql('m', '$2')} IS NOT NULL",
+        workspace_id, viewer, message_id,
+    )
+
+
+# --- history and permalink --------------------------------------------------------------------------
+
+_MESSAGE_COLUMNS = (
+    "m.id, m.scope_id, m.seq, m.workspace_global_seq, m.author_member_id, m.author_type, m.message_type, "
+    "CASE WHEN m.state = 'withdrawn' THEN '' ELSE m.content END AS content, "
+    "CASE WHEN m.state = 'withdrawn' THEN '{}'::jsonb ELSE m.metadata END AS metadata, "
+    "m.client_message_id, m.revision, m.state, m.created_at, m.updated_at, m.withdrawn_at, m.thread_scope_id"
+)
+
+
+async def history(conn: asyncpg.Connection, workspace_id: str, viewer: str, scope_id: str, *,
+                  before_seq: int | None, after_seq: int | None, limit: int) -> tuple[list[asyncpg.Record], bool]:
+    """A page of the scope's messages in seq order, and whether more exist in
+    the paging direction."""
+    if after_seq is not None:
+        rows = await conn.fetch(
+            f"SELECT {_MESSAGE_COLUMNS}, {readable_sql('m', '$2')} AS visibility_reason FROM scope_messages m "
+            f"WHERE m.workspace_id = $1 AND m.scope_id = $3 AND m.seq > $4 AND {readable_sql('m', '$2')} IS NOT NULL "
+            f"ORDER BY m.seq LIMIT $5",
+            workspace_id, viewer, scope_id, after_seq, limit + 1,
+        )
+        return list(rows[:limit]), len(rows) > limit
+    rows = await conn.fetch(
+        f"SELECT {_MESSAGE_COLUMNS}, {readable_sql('m', '$2')} AS visibility_reason FROM scope_messages m "
+        f"WHERE m.workspace_id = $1 AND m.scope_id = $3 AND m.seq < $4 AND {readable_sql('m', '$2')} IS NOT NULL "
+        f"ORDER BY m.seq DESC LIMIT $5",
+        workspace_id, viewer, scope_id, before_seq if before_seq is not None else 2**62, limit + 1,
+    )
+    return list(reversed(rows[:limit])), len(rows) > limit
+
+
+async def message_for_viewer(conn: asyncpg.Connection, workspace_id: str, viewer: str,
+                             message_id: str) -> asyncpg.Record | None:
+    return await conn.fetchrow(
+        f"SELECT {_MESSAGE_COLUMNS}, {readable_sql('m', '$2')} AS visibility_reason FROM scope_messages m "
+        f"WHERE m.workspace_id = $1 AND m.id = $3 AND {readable_sql('m', '$2')} IS NOT NULL",
+        workspace_id, viewer, message_id,
+    )
+
+
+async def message_revisions(conn: asyncpg.Connection, workspace_id: str, viewer: str,
+                            message_id: str) -> list[asyncpg.Record]:
+    return await conn.fetch(
+        f"SELECT r.revision, r.content, r.edited_by_member_id, r.created_at FROM scope_message_revisions r "
+        f"JOIN scope_messages m ON m.scope_id = r.scope_id AND m.id = r.message_id "
+        f"WHERE m.workspace_id = $1 AND m.id = $3 AND m.state = 'visible' AND {readable_sql('m', '$2')} IS NOT NULL "
+        f"ORDER BY r.revision",
+        workspace_id, viewer, message_id,
+    )
+
+
+async def reaction_summaries(conn: asyncpg.Connection, workspace_id: str, viewer: str,
+                             message_ids: list[str]) -> dict[str, list[asyncpg.Record]]:
+    """Per message: key, count, whether the viewer reacted; withdrawn messages show none."""
+    if not message_ids:
+        return {}
+    rows = await conn.fetch(
+        f"SELECT r.message_id, r.reaction_key, count(*) AS count, bool_or(r.member_id = $2) AS me, "
+        f"min(r.created_at) AS first_at FROM scope_message_reactions r "
+        f"JOIN scope_messages m ON m.scope_id = r.scope_id AND m.id = r.message_id "
+        f"WHERE m.workspace_id = $1 AND r.message_id = ANY($3::text[]) AND m.state = 'visible' "
+        f"AND {readable_sql('m', '$2')} IS NOT NULL GROUP BY r.message_id, r.reaction_key ORDER BY first_at",
+        workspace_id, viewer, message_ids,
+    )
+    summaries: dict[str, list[asyncpg.Record]] = {}
+    for row in rows:
+        summaries.setdefault(row["message_id"], []).append(row)
+    return summaries
+
+
+async def viewer_membership(conn: asyncpg.Connection, scope_id: str, viewer: str) -> asyncpg.Record | None:
+    return await conn.fetchrow(
+        "SELECT last_read_seq, effective_from_seq FROM scope_memberships WHERE scope_id = $1 AND member_id = $2 "
+        "AND effective_to_seq IS NULL",
+        scope_id, viewer,
+    )
+
+
+async def workspace_feed(conn: asyncpg.Connection, workspace_id: str, viewer: str, after_global_seq: int,
+                         limit: int) -> list[asyncpg.Record]:
+    """The viewer's readable messages across the workspace, by global seq."""
+    return await conn.fetch(
+        f"SELECT {_MESSAGE_COLUMNS} FROM scope_messages m WHERE m.workspace_id = $1 AND m.workspace_global_seq > $3 "
+        f"AND {readable_sql('m', '$2')} IS NOT NULL ORDER BY m.workspace_global_seq LIMIT $4",
+        workspace_id, viewer, after_global_seq, limit,
+    )
+
+
+# --- inbox ----------------------------------------------------------------------------------------
+
+def encode_cursor(values: list) -> str:
+    return base64.urlsafe_b64encode(json.dumps(values, separators=(",", ":")).encode()).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str) -> list | None:
+    try:
+        values = json.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
+    except (ValueError, TypeError):
+        return None
+    if (not isinstance(values, list) or len(values) != 3 or not isinstance(values[0], int)
+            or not isinstance(values[1], (int, float)) or not isinstance(values[2], str)):
+        return None
+    return values
+
+
+UNREAD_CAP = 1000  # counted exactly up to this, reported as "at least" beyond
+
+
+async def inbox(conn: asyncpg.Connection, workspace_id: str, viewer: str, *, after: list | None,
+                limit: int) -> tuple[list[asyncpg.Record], str | None]:
+    """The viewer's conversations: pinned first, then by latest activity.  Hidden
+    ones return when a newer message arrives.  Unread counts come from the read
+    cursor at read time — nothing per recipient is written at send time — and
+    exclude messages the viewer is the notify principal of."""
+    rows = await conn.fetch(
+        f"""
+        WITH conv AS (
+            SELECT s.id AS scope_id, s.type, s.latest_seq, s.parent_scope_id,
+                   coalesce(s.latest_message_at, s.created_at) AS activity_at,
+                   (c.pinned_at IS NOT NULL)::int AS pinned, c.manual_unread_at IS NOT NULL AS manual_unread,
+                   sm.last_read_seq, coalesce(n.state, 'active') AS notification_state,
+                   p.display_name, p.slug
+            FROM scope_memberships sm
+            JOIN scopes s ON s.id = sm.scope_id
+            LEFT JOIN scope_channel_profiles p ON p.scope_id = s.id
+            LEFT JOIN conversation_member_states c
+                   ON c.workspace_id = sm.workspace_id AND c.member_id = sm.member_id AND c.scope_id = sm.scope_id
+            LEFT JOIN scope_notification_settings n ON n.scope_id = sm.scope_id AND n.member_id = sm.member_id
+            WHERE sm.workspace_id = $1 AND sm.member_id = $2 AND sm.effective_to_seq IS NULL
+              AND s.status <> 'deleted' AND s.type <> 'workflow'
+              AND (c.hidden_at IS NULL OR s.latest_seq > c.hidden_through_seq)
+        )
+        SELECT conv.*, extract(epoch FROM conv.activity_at)::float8 AS activity_epoch,
+               last.id AS last_message_id, last.author_member_id AS last_author_member_id,
+               CASE WHEN last.state = 'withdrawn' THEN '' ELSE left(last.content, 200) END AS last_preview,
+               last.state AS last_state,
+               (SELECT count(*) FROM (SELECT 1 FROM scope_messages u WHERE u.scope_id = conv.scope_id
+                 AND u.seq > conv.last_read_seq AND u.notify_principal_member_id <> $2 AND u.state = 'visible'
+                 LIMIT {UNREAD_CAP}) capped) AS unread_count
+        FROM conv
+        LEFT JOIN scope_messages last ON last.scope_id = conv.scope_id AND last.seq = conv.latest_seq
+        WHERE $3::int IS NULL OR (conv.pinned, extract(epoch FROM conv.activity_at)::float8, conv.scope_id)
+              < ($3::int, $4::float8, $5::text)
+        ORDER BY conv.pinned DESC, activity_epoch DESC, conv.scope_id DESC
+        LIMIT $6
+        """,
+        workspace_id, viewer, *(after if after else (None, None, None)), limit + 1,
+    )
+    page = list(rows[:limit])
+    next_cursor = None
+    if len(rows) > limit:
+        last = page[-1]
+        next_cursor = encode_cursor([last["pinned"], last["activity_epoch"], last["scope_id"]])
+    return page, next_cursor
