@@ -153,7 +153,7 @@ async def bulk_open_memberships(conn: asyncpg.Connection, workspace_id: str, sco
     latest = await conn.fetchval("SELECT latest_seq FROM scopes WHERE id = $1 FOR UPDATE", scope_id)
     await conn.execute(
         "INSERT INTO scope_memberships (id, workspace_id, scope_id, member_id, last_read_seq, effective_from_seq) "
-        "SELECT i, $2, $3, m, $4, $4 + 1 FROM unnest($1::text[], $5::text[]) AS t(i, m)",
+        "SELECT i, $2, $3, m, $4::bigint, $4::bigint + 1 FROM unnest($1::text[], $5::text[]) AS t(i, m)",
         [new_id("smb") for _ in member_ids], workspace_id, scope_id, latest, member_ids,
     )
     await conn.execute(
