@@ -8,7 +8,6 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-import trio
 import trio_websocket
 
 

@@ -10,6 +10,7 @@ Nothing here decides permissions; the Policy did that.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import asyncpg
 

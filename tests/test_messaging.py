@@ -8,7 +8,6 @@ import pytest
 import trio
 
 from client import ClientError, connect
-from protocol import frames
 from server import messaging
 from storage import messages
 from tests.conftest import App, Person, add_person

@@ -19,7 +19,7 @@ from server.rbac import ROLE_PERMISSIONS, Permission, Role
 from storage import tenancy
 from protocol.errors import ProtocolError
 from storage.errors import Conflict, WriteFenced
-from tests.conftest import MEMBER_PASSWORD, App, Person, Tenant, add_person
+from tests.conftest import MEMBER_PASSWORD, App, Person, add_person
 
 
 async def signed_in(app: App, person: Person):
