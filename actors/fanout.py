@@ -57,17 +57,27 @@ class FanoutHub:
         subscription.workspace_id = workspace_id
         self._by_workspace[workspace_id].add(subscription)
 
-    def unsubscribe(self, subscription: Subscription) -> None:
-        for scope_id in subscription.scopes:
-            self._by_scope[scope_id].discard(subscription)
-            if not self._by_scope[scope_id]:
+    def unfollow_scope(self, subscription: Subscription, scope_id: str) -> None:
+        subscription.scopes.discard(scope_id)
+        subs = self._by_scope.get(scope_id)
+        if subs is not None:
+            subs.discard(subscription)
+            if not subs:
                 del self._by_scope[scope_id]
+
+    def unfollow_workspace(self, subscription: Subscription) -> None:
         if subscription.workspace_id is not None:
             subs = self._by_workspace.get(subscription.workspace_id)
             if subs is not None:
                 subs.discard(subscription)
                 if not subs:
                     del self._by_workspace[subscription.workspace_id]
+            subscription.workspace_id = None
+
+    def unsubscribe(self, subscription: Subscription) -> None:
+        for scope_id in list(subscription.scopes):
+            self.unfollow_scope(subscription, scope_id)
+        self.unfollow_workspace(subscription)
         subscription.send.close()
 
     def publish(self, event: CommittedEvent, roster: frozenset[str] | set[str] | None = None) -> None:

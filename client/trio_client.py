@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import json
@@ -25,6 +26,8 @@ class Connection:
     def __init__(self, ws: trio_websocket.WebSocketConnection) -> None:
         self.ws = ws
         self._ids = itertools.count(1)
+        # Pushes that arrived while waiting for a reply, in arrival order.
+        self.events: collections.deque[dict] = collections.deque()
 
     async def call(self, op: str, **fields: Any) -> Any:
         """Send one request and return its result data; ClientError on an error reply."""
@@ -32,11 +35,21 @@ class Connection:
         await self.ws.send_message(json.dumps({"op": op, "id": request_id, **fields}))
         while True:
             reply = json.loads(await self.ws.get_message())
-            if reply.get("id") == request_id:
+            if reply.get("type") == "event":
+                self.events.append(reply)
+            elif reply.get("id") == request_id:
                 break
         if reply["type"] == "error":
             raise ClientError(reply["code"], reply["message"], reply.get("details"))
         return reply["data"]
+
+    async def next_event(self) -> dict:
+        """The next push (waiting for it if none is queued)."""
+        while not self.events:
+            frame = json.loads(await self.ws.get_message())
+            if frame.get("type") == "event":
+                self.events.append(frame)
+        return self.events.popleft()
 
     async def login(self, email: str, password: str) -> dict:
         return await self.call("login", email=email, password=password)

@@ -45,6 +45,13 @@ class Ping(Request, tag="ping"):
     """Liveness check; answered with the server time. Allowed before auth."""
 
 
+class Hello(Request, tag="hello"):
+    """Optional first frame: agree on the protocol version. Allowed before auth."""
+
+    protocol_version: Annotated[int, msgspec.Meta(ge=1)]
+    client: Annotated[str, msgspec.Meta(max_length=200)] | None = None
+
+
 class Login(Request, tag="login"):
     """Email + password → a session token; also authenticates this connection."""
 
@@ -309,8 +316,31 @@ class ConversationAction(WorkspaceRequest, tag="conversation.action"):
     action: Literal["pin", "unpin", "hide", "restore", "mute", "unmute", "mark_read", "mark_unread"]
 
 
+# --- realtime subscriptions ------------------------------------------------------------
+
+class ScopeCursor(msgspec.Struct, forbid_unknown_fields=True):
+    scope_id: Id
+    # Resume: every message after this seq is replayed first; None means live from now.
+    after_seq: Seq | None = None
+
+
+class Subscribe(WorkspaceRequest, tag="subscribe"):
+    """Follow single scopes and/or the whole workspace feed (every scope you
+    belong to).  With cursors, everything missed is replayed in order before
+    live events, with no gap and no duplicate."""
+
+    scopes: Annotated[list[ScopeCursor], msgspec.Meta(max_length=100)] = []
+    workspace_feed: bool = False
+    after_global_seq: Seq | None = None
+
+
+class Unsubscribe(WorkspaceRequest, tag="unsubscribe"):
+    scope_ids: Annotated[list[Id], msgspec.Meta(max_length=100)] = []
+    workspace_feed: bool = False
+
+
 CLIENT_FRAMES: tuple[type[Request], ...] = (
-    Ping, Login, Auth, RevokeSessions,
+    Ping, Hello, Login, Auth, RevokeSessions,
     WorkspaceList, WorkspaceGet, WorkspaceCreate, WorkspaceSuspend,
     MemberList, MemberSetRole, MemberRemove, OwnerTransfer, AgentCreate,
     InvitationCreate, InvitationList, InvitationRevoke, InvitationAccept,
@@ -318,6 +348,7 @@ CLIENT_FRAMES: tuple[type[Request], ...] = (
     ChannelCreate, ChannelList, DmOpen, ScopeGet, ScopeMembers, ScopeJoin, ScopeLeave, ScopeInvite, ScopeRemove,
     ScopeArchive, MessageSend, ThreadReply, MessageForward, MessageEdit, MessageWithdraw, MessageHistory, MessageGet,
     ReactionAdd, ReactionRemove, ReadMark, ReadMarkUnread, NotificationSet, InboxList, ConversationAction,
+    Subscribe, Unsubscribe,
 )
 ClientFrame = Union[CLIENT_FRAMES]  # type: ignore[valid-type]
 KNOWN_OPS = frozenset(frame.__struct_config__.tag for frame in CLIENT_FRAMES)
@@ -347,6 +378,32 @@ class Error(msgspec.Struct, tag_field="type", tag="error", omit_defaults=True):
     message: str
     id: str | None = None
     details: dict[str, Any] = {}
+
+
+class Event(msgspec.Struct, tag_field="type", tag="event", omit_defaults=True):
+    """A push: `event` names it (message.created, message.edited,
+    message.withdrawn, reaction.added, reaction.removed, membership.changed,
+    read_state.changed, scope.archived).  `seq` / `global_seq` are the cursors
+    to resume from (message events only)."""
+
+    event: str
+    workspace_id: str
+    scope_id: str
+    data: Any
+    seq: int | None = None
+    global_seq: int | None = None
+
+
+class HelloResult(msgspec.Struct):
+    protocol_version: int
+    server: str
+    max_frame_bytes: int
+
+
+class SubscribeResult(msgspec.Struct, omit_defaults=True):
+    scopes: list[ScopeInfo]
+    workspace_feed: bool
+    workspace_global_seq: int | None = None
 
 
 class PingResult(msgspec.Struct):
@@ -505,3 +562,4 @@ class InboxPage(msgspec.Struct, omit_defaults=True):
 CLOSE_GOING_AWAY = 1001
 CLOSE_UNAUTHENTICATED = 4401  # auth timeout or failed authentication
 CLOSE_REVOKED = 4403          # the credential was revoked, expired, or the membership ended
+CLOSE_SLOW_CONSUMER = 4408    # the client did not keep up; reconnect and resume from your cursors

@@ -33,6 +33,7 @@ from actors.outbox_worker import OutboxWorker
 from actors.registry import ScopeRegistry
 from server import handlers
 from server.messaging import ReactionRateLimiter
+from server.realtime import PushState
 from server.auth import Authenticator
 from server.config import ServerConfig
 from server.context import Principal
@@ -55,6 +56,8 @@ class Connection:
     principal: Principal | None = None
     session_expires_at: float | None = None
     closing: bool = False
+    push: PushState | None = None
+    nursery: trio.Nursery | None = None
 
     async def send(self, frame: Any) -> None:
         payload = encode(frame, binary=self.binary)
@@ -153,6 +156,7 @@ class Server:
                             None,
                             handler_nursery=handlers_nursery,
                             max_message_size=self.config.max_frame_bytes,
+                            disconnect_timeout=self.config.shutdown_grace_seconds,
                         )
                     )
                     self.port = ws_server.port
@@ -177,10 +181,16 @@ class Server:
         connection = Connection(ws=ws, binary=subprotocol == MSGPACK_SUBPROTOCOL)
         self.connections.add(connection)
         try:
-            await self._serve_connection(connection)
-        except trio_websocket.ConnectionClosed:
-            pass
+            async with trio.open_nursery() as connection.nursery:  # its pusher, once it subscribes
+                try:
+                    await self._serve_connection(connection)
+                except trio_websocket.ConnectionClosed:
+                    pass
+                finally:
+                    connection.nursery.cancel_scope.cancel()
         finally:
+            if connection.push is not None:
+                self.hub.unsubscribe(connection.push.subscription)
             self.connections.remove(connection)
 
     async def _serve_connection(self, connection: Connection) -> None:

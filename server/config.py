@@ -42,3 +42,8 @@ class ServerConfig:
     max_frame_bytes: int = 256 * 1024
     # A scope's actor stops after this long without commands (restarted on demand).
     actor_idle_seconds: float = 30.0
+    # Realtime: events buffered per connection before it is cut off as a slow consumer,
+    # and how long one push may block.
+    push_buffer_events: int = 1024
+    push_timeout_seconds: float = 10.0
+    max_subscriptions_per_connection: int = 100

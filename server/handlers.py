@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from protocol import frames as f
 from protocol.errors import ErrorCode, ProtocolError
-from server import messaging
+from server import messaging, realtime
 from server import tenancy as ops
 from server.context import RequestContext
 
@@ -49,6 +49,14 @@ def _key_info(row: Any) -> f.ApiKeyInfo:
 
 async def ping(server: Server, connection: Connection, request: f.Ping, ctx: RequestContext | None) -> f.PingResult:
     return f.PingResult(server_time_ms=time.time_ns() // 1_000_000)
+
+
+async def hello(server: Server, connection: Connection, request: f.Hello, ctx: RequestContext | None) -> f.HelloResult:
+    if request.protocol_version != f.PROTOCOL_VERSION:
+        raise ProtocolError(ErrorCode.INVALID, f"unsupported protocol version {request.protocol_version}",
+                            details={"supported": [f.PROTOCOL_VERSION]})
+    return f.HelloResult(protocol_version=f.PROTOCOL_VERSION, server="scopewire",
+                         max_frame_bytes=server.config.max_frame_bytes)
 
 
 async def _auth_result(server: Server, connection: Connection, token: str | None = None,
@@ -215,6 +223,7 @@ async def apikey_revoke(server: Server, connection: Connection, request: f.ApiKe
 
 PUBLIC: dict[type, Handler] = {
     f.Ping: ping,
+    f.Hello: hello,
     f.Login: login,
     f.Auth: auth,
     f.InvitationAccept: accept_invitation,
@@ -239,6 +248,8 @@ IN_WORKSPACE: dict[type, Handler] = {
     f.ApiKeyList: apikey_list,
     f.ApiKeyRevoke: apikey_revoke,
     **messaging.HANDLERS,
+    f.Subscribe: realtime.subscribe,
+    f.Unsubscribe: realtime.unsubscribe,
 }
 assert set(PUBLIC) | set(AUTHENTICATED) | set(IN_WORKSPACE) == set(f.CLIENT_FRAMES), "every op needs a handler"
 

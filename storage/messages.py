@@ -239,6 +239,13 @@ async def viewer_membership(conn: asyncpg.Connection, scope_id: str, viewer: str
     )
 
 
+async def workspace_global_tail(conn: asyncpg.Connection, workspace_id: str) -> int:
+    value = await conn.fetchval(
+        "SELECT latest_global_seq FROM workspace_message_counters WHERE workspace_id = $1", workspace_id
+    )
+    return value or 0
+
+
 async def workspace_feed(conn: asyncpg.Connection, workspace_id: str, viewer: str, after_global_seq: int,
                          limit: int) -> list[asyncpg.Record]:
     """The viewer's readable messages across the workspace, by global seq."""

@@ -1,0 +1,219 @@
+"""Realtime delivery over real sockets: subscriptions, order, resume without
+loss or duplicates, entitlement, slow consumers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import trio
+import trio_websocket
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from client import connect
+from protocol import frames
+from server.config import ServerConfig
+from tests.conftest import App, add_person
+from tests.test_messaging import open_channel
+from tests.test_tenancy import expect_error, signed_in
+
+
+async def events_for(conn, count: int, kind: str = "message.created") -> list[dict]:
+    received = []
+    with trio.fail_after(15):
+        while len(received) < count:
+            event = await conn.next_event()
+            if event["event"] == kind:
+                received.append(event)
+    return received
+
+
+async def test_scope_subscribers_get_every_message_once_in_order(app: App, tenants, member_password_hash):
+    alpha, _ = tenants
+    ws = {"workspace_id": alpha.workspace_id}
+    bob = await add_person(app.db, alpha.workspace_id, "bob@example.com", "developer", member_password_hash)
+    async with await signed_in(app, alpha.owner) as owner, await signed_in(app, bob) as listener:
+        channel = await open_channel(owner, alpha.workspace_id, "live", [bob.member_id])
+        result = await listener.call("subscribe", scopes=[{"scope_id": channel["id"]}], **ws)
+        assert [s["id"] for s in result["scopes"]] == [channel["id"]]
+
+        async def send_from(person, n):
+            async with await signed_in(app, person) as conn:
+                for i in range(n):
+                    await conn.call("message.send", scope_id=channel["id"], content=f"{person.email}:{i}", **ws)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(send_from, alpha.owner, 20)
+            nursery.start_soon(send_from, bob, 20)
+        received = await events_for(listener, 40)
+        assert [e["seq"] for e in received] == list(range(1, 41))
+        for person in (alpha.owner, bob):
+            mine = [e["data"]["content"] for e in received if e["data"]["content"].startswith(person.email)]
+            assert mine == [f"{person.email}:{i}" for i in range(20)]
+        # Other event kinds arrive too.
+        await owner.call("reaction.add", message_id=received[0]["data"]["id"], key="👍", **ws)
+        reaction = (await events_for(listener, 1, "reaction.added"))[0]
+        assert reaction["data"]["key"] == "👍" and reaction["scope_id"] == channel["id"]
+
+
+async def test_resume_replays_what_was_missed_then_goes_live(app: App, tenants):
+    alpha, _ = tenants
+    ws = {"workspace_id": alpha.workspace_id}
+    async with await signed_in(app, alpha.owner) as owner:
+        channel = await open_channel(owner, alpha.workspace_id, "resume")
+        for i in range(5):
+            await owner.call("message.send", scope_id=channel["id"], content=f"before {i}", **ws)
+        async with await signed_in(app, alpha.owner) as listener:
+            await listener.call("subscribe", scopes=[{"scope_id": channel["id"], "after_seq": 2}], **ws)
+            replayed = await events_for(listener, 3)
+            assert [e["seq"] for e in replayed] == [3, 4, 5]
+            await owner.call("message.send", scope_id=channel["id"], content="live", **ws)
+            assert [e["seq"] for e in await events_for(listener, 1)] == [6]
+        for i in range(300):  # away for longer than any in-memory window
+            await owner.call("message.send", scope_id=channel["id"], content=f"away {i}", **ws)
+        async with await signed_in(app, alpha.owner) as listener:
+            await listener.call("subscribe", scopes=[{"scope_id": channel["id"], "after_seq": 6}], **ws)
+            await owner.call("message.send", scope_id=channel["id"], content="after resume", **ws)
+            resumed = await events_for(listener, 301)
+            assert [e["seq"] for e in resumed] == list(range(7, 308))
+            assert resumed[-1]["data"]["content"] == "after resume"
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
+@given(schedule=st.lists(st.integers(min_value=0, max_value=6), min_size=1, max_size=5))
+def test_random_disconnects_lose_and_duplicate_nothing(database_dsn, member_password_hash, schedule):
+    """Each step: send k messages while connected, drop the connection, send
+    more while away, reconnect with the last seen seq."""
+    trio.run(_disconnect_schedule, database_dsn, schedule)
+
+
+async def _disconnect_schedule(dsn: str, schedule: list[int]) -> None:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from server import tenancy as ops
+    from server.app import Server
+    from server.auth import Authenticator
+    from server.credentials import SessionSigner
+    from storage.bridge import Database
+
+    async with Database(dsn) as db, trio.open_nursery() as nursery:
+        workspace_id = await db.run(lambda c: c.fetchval("SELECT id FROM workspaces WHERE slug = 'rt'"))
+        if workspace_id is None:
+            await ops.init_instance(db, email="rt@example.com", display_name="RT", workspace_name="RT",
+                                    workspace_slug="rt", edition="single", password="rt-password")
+        config = ServerConfig(port=0, shutdown_grace_seconds=1)
+        server = Server(config, db, Authenticator(db, SessionSigner(Ed25519PrivateKey.generate()), 3600))
+        port = await nursery.start(server.run)
+        url = f"ws://127.0.0.1:{port}"
+        async with connect(url) as sender:
+            await sender.login("rt@example.com", "rt-password")
+            channel = await sender.call("channel.create", slug=f"rt-{len(schedule)}-{id(schedule)}",
+                                        display_name="RT")
+            seen: list[int] = []
+            sent = 0
+            for burst in schedule:
+                async with connect(url) as listener:
+                    await listener.login("rt@example.com", "rt-password")
+                    await listener.call("subscribe", scopes=[{"scope_id": channel["id"],
+                                                              "after_seq": seen[-1] if seen else 0}])
+                    for _ in range(burst):
+                        sent += 1
+                        await sender.call("message.send", scope_id=channel["id"], content=str(sent))
+                    seen += [e["seq"] for e in await events_for(listener, sent - len(seen))]
+                for _ in range(burst):  # while away
+                    sent += 1
+                    await sender.call("message.send", scope_id=channel["id"], content=str(sent))
+            async with connect(url) as listener:
+                await listener.login("rt@example.com", "rt-password")
+                await listener.call("subscribe", scopes=[{"scope_id": channel["id"],
+                                                          "after_seq": seen[-1] if seen else 0}])
+                seen += [e["seq"] for e in await events_for(listener, sent - len(seen))]
+        assert seen == list(range(1, sent + 1))
+        nursery.cancel_scope.cancel()
+
+
+async def test_workspace_feed_delivers_entitled_scopes_in_global_order(app: App, tenants, member_password_hash):
+    alpha, _ = tenants
+    ws = {"workspace_id": alpha.workspace_id}
+    bob = await add_person(app.db, alpha.workspace_id, "bob@example.com", "developer", member_password_hash)
+    async with await signed_in(app, alpha.owner) as owner, await signed_in(app, bob) as listener:
+        shared = [await open_channel(owner, alpha.workspace_id, f"shared-{i}", [bob.member_id]) for i in range(3)]
+        private = await open_channel(owner, alpha.workspace_id, "owner-only", visibility="private")
+        await owner.call("message.send", scope_id=shared[0]["id"], content="before subscribe", **ws)
+        result = await listener.call("subscribe", workspace_feed=True, after_global_seq=0, **ws)
+        assert result["workspace_global_seq"] == 1
+
+        async def send_to(channel, n):
+            async with await signed_in(app, alpha.owner) as conn:
+                for i in range(n):
+                    await conn.call("message.send", scope_id=channel["id"], content=str(i), **ws)
+
+        async with trio.open_nursery() as nursery:
+            for channel in shared + [private]:
+                nursery.start_soon(send_to, channel, 10)
+        received = await events_for(listener, 31)
+        global_seqs = [e["global_seq"] for e in received]
+        assert global_seqs == sorted(global_seqs) and len(set(global_seqs)) == 31
+        assert private["id"] not in {e["scope_id"] for e in received}
+        # Membership ending stops delivery at once.
+        await owner.call("scope.remove", scope_id=shared[1]["id"], member_id=bob.member_id, **ws)
+        removal = await events_for(listener, 1, "membership.changed")
+        assert removal[0]["data"]["member_id"] == bob.member_id
+        await owner.call("message.send", scope_id=shared[1]["id"], content="bob must not see", **ws)
+        await owner.call("message.send", scope_id=shared[2]["id"], content="bob sees", **ws)
+        after = await events_for(listener, 1)
+        assert after[0]["data"]["content"] == "bob sees"
+
+
+async def test_subscriptions_need_authentication_and_entitlement(app: App, tenants):
+    alpha, beta = tenants
+    async with await signed_in(app, beta.owner) as owner_b:
+        b_channel = await open_channel(owner_b, beta.workspace_id, "beta-secret")
+    async with connect(app.url) as anonymous:
+        await expect_error("unauthenticated", anonymous.call("subscribe", workspace_id=alpha.workspace_id,
+                                                             workspace_feed=True))
+    async with await signed_in(app, alpha.owner) as conn:
+        await expect_error("not_found", conn.call("subscribe", workspace_id=alpha.workspace_id,
+                                                  scopes=[{"scope_id": b_channel["id"]}]))
+        await expect_error("not_found", conn.call("subscribe", workspace_id=beta.workspace_id, workspace_feed=True))
+        await expect_error("not_found", conn.call("unsubscribe", workspace_id=beta.workspace_id))
+        hello = await conn.call("hello", protocol_version=frames.PROTOCOL_VERSION)
+        assert hello["protocol_version"] == frames.PROTOCOL_VERSION
+        await expect_error("invalid", conn.call("hello", protocol_version=99))
+    assert not conn.events
+
+
+@pytest.fixture
+def server_config() -> ServerConfig:
+    return ServerConfig(port=0, auth_timeout_seconds=2.0, expiry_sweep_seconds=0.5, shutdown_grace_seconds=1.0,
+                        push_buffer_events=8, push_timeout_seconds=1.0)
+
+
+async def test_a_stalled_client_is_cut_off_and_others_keep_up(app: App, tenants):
+    alpha, _ = tenants
+    ws = {"workspace_id": alpha.workspace_id}
+    big = "x" * 30_000
+    async with await signed_in(app, alpha.owner) as owner:
+        channel = await open_channel(owner, alpha.workspace_id, "firehose")
+        async with await signed_in(app, alpha.owner) as stalled, await signed_in(app, alpha.owner) as healthy:
+            await stalled.call("subscribe", scopes=[{"scope_id": channel["id"]}], **ws)
+            await healthy.call("subscribe", scopes=[{"scope_id": channel["id"]}], **ws)
+            received: list[int] = []
+
+            async def drain_healthy():
+                for event in await events_for(healthy, 200):
+                    received.append(event["seq"])
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(drain_healthy)
+                for i in range(200):
+                    await owner.call("message.send", scope_id=channel["id"], content=big, **ws)
+            assert received == list(range(1, 201))
+            # The stalled connection (never read) was cut off: reading now ends in a close.
+            with trio.fail_after(15):
+                with pytest.raises(trio_websocket.ConnectionClosed) as closed:
+                    while True:
+                        frame = json.loads(await stalled.ws.get_message())
+                        assert frame["type"] == "event"
+            assert closed.value.reason.code in (frames.CLOSE_SLOW_CONSUMER, 1006)
