@@ -67,6 +67,12 @@ class Connection:
         self.closing = True
         await self.ws.aclose(code, reason)
 
+    async def abort(self) -> None:
+        """Drop the TCP stream without a closing handshake (a stuck or corrupted stream).
+        trio-websocket has no public abort, hence its stream attribute."""
+        self.closing = True
+        await self.ws._stream.aclose()
+
 
 class ConnectionRegistry:
     """Live authenticated connections, indexed by what can revoke them."""

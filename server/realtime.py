@@ -68,7 +68,10 @@ class Pusher:
             if self.state.subscription.overflowed:
                 await self._cut_off("slow_consumer: event buffer overflow")
         except trio.TooSlowError:
-            await self._cut_off("slow_consumer: push timed out")
+            # A push was cancelled mid-frame: the stream cannot carry a close frame
+            # any more, so the connection is aborted (the client sees 1006).
+            self.server.hub.unsubscribe(self.state.subscription)
+            await self.connection.abort()
         except trio_websocket.ConnectionClosed:
             pass
         except Exception:  # e.g. the database went away mid-replay: the client resumes later
