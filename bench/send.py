@@ -25,8 +25,9 @@ amortization, so the targets are evaluated on the durable cluster):
                per scope and the ratios large/small.  Target: both ratios <= 1.2.
                (No fanout subscribers are connected: this measures the write path.)
 
-Every run has its own trio.run, Database (PoolSettings min=max=--pool-size, same for both
-sides) and ScopeRegistry; pool opening and warmup are never timed.  Each measurement is
+Every run has its own database (cloned from a VACUUM ANALYZEd template holding the fixture,
+then CHECKPOINT), trio.run, Database (PoolSettings min=max=--pool-size, same for both sides)
+and ScopeRegistry; pool opening and warmup are never timed.  Each measurement is
 repeated --repeats times (default 3), order alternating; medians are reported alongside
 every raw number.  Clusters are provisioned with storage/cluster.py (bundled binaries) from
 the main thread before any event loop runs, and removed afterwards; --database-url uses an
@@ -49,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
+import dataclasses  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
@@ -200,8 +202,9 @@ class TxCounter:
     def report(self, elapsed: float) -> dict[str, Any]:
         out: dict[str, Any] = {
             "transactions": dict(self.counts),
-            # Summed wall time inside db.transaction, as a fraction of the run (the actor is
-            # sequential, so for it this is the share of its time spent waiting on the database).
+            # Summed wall time inside db.transaction over the run's wall time: for the (sequential)
+            # actor the share of its time spent waiting on the database; for the baseline the
+            # mean number of transactions in flight (queued on the pool or the scope row lock).
             "transaction_time_share": {k: round(v / elapsed, 3) for k, v in self.seconds.items()},
             "transaction_ms_mean": {k: round(1000 * v / self.counts[k], 3) for k, v in self.seconds.items()},
         }
@@ -505,23 +508,53 @@ def run_latency(fx: Fixture, args: argparse.Namespace, order: tuple[str, ...], p
 
 # ----------------------------------------------------------------------------- one cluster
 
-def benchmark_setting(setting: str, dsn: str, args: argparse.Namespace, pg_info: dict[str, Any],
-                      postmaster_pid: int | None) -> dict[str, Any]:
+class Clones:
+    """Every run gets its own database, cloned from the vacuumed and analyzed template, then a
+    CHECKPOINT: identical starting state (no rows, dead tuples or stale statistics left by
+    the previous run, e.g. the baseline's 20k never-settled outbox rows) and equal
+    full-page-write cost after the checkpoint on the durable cluster."""
+
+    def __init__(self, admin_dsn: str, template: str) -> None:
+        self.admin_dsn = admin_dsn
+        self.template = template
+        self.count = 0
+
+    def run(self, fx: Fixture, fn: Callable[[Fixture], dict[str, Any]]) -> dict[str, Any]:
+        self.count += 1
+        name = f"{self.template}_run{self.count}"
+
+        async def create(conn: asyncpg.Connection) -> None:
+            await conn.execute(f"CREATE DATABASE {name} TEMPLATE {self.template}")
+            await conn.execute("CHECKPOINT")
+
+        _admin(self.admin_dsn, create)
+        try:
+            result = fn(dataclasses.replace(fx, dsn=_with_database(self.admin_dsn, name)))
+        finally:
+            _admin(self.admin_dsn, lambda conn: conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+        result["database"] = name
+        return result
+
+
+def benchmark_setting(setting: str, admin_dsn: str, template: str, args: argparse.Namespace,
+                      pg_info: dict[str, Any], postmaster_pid: int | None) -> dict[str, Any]:
     pool = PoolSettings(min_size=args.pool_size, max_size=args.pool_size)
     meter = CpuMeter(postmaster_pid)
     n = args.durable_messages if setting == "durable" else args.messages
     print(f"[{setting}] building fixture ({args.large_audience:,} agents, latency scopes) ...",
           file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    fx = build_fixture(dsn, args, pool)
+    fx = build_fixture(_with_database(admin_dsn, template), args, pool)
+    _admin(_with_database(admin_dsn, template), lambda conn: conn.execute("VACUUM ANALYZE"))
     print(f"[{setting}] fixture ready in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
+    clones = Clones(admin_dsn, template)
 
     throughput_runs: list[dict[str, Any]] = []
     if "throughput" in args.parts:
         for repeat in range(args.repeats):
             order = SIDES if repeat % 2 == 0 else SIDES[::-1]
             for position, side in enumerate(order):
-                run = run_throughput(side, fx, args, n, pool, meter)
+                run = clones.run(fx, lambda f: run_throughput(side, f, args, n, pool, meter))
                 run.update(repeat=repeat, order=position)
                 throughput_runs.append(run)
                 tx = run["tx"]
@@ -537,8 +570,9 @@ def benchmark_setting(setting: str, dsn: str, args: argparse.Namespace, pg_info:
     if "latency" in args.parts:
         for repeat in range(args.repeats):
             order = ("small", "large") if repeat % 2 == 0 else ("large", "small")
-            run = run_latency(fx, args, order, pool, meter)
+            run = clones.run(fx, lambda f: run_latency(f, args, order, pool, meter))
             latency_runs.append({"repeat": repeat, "order": list(order), **run})
+            run.pop("database")
             print(f"[{setting}] latency rep {repeat} ({'/'.join(order)}):  "
                   + "  ".join(f"{name} p50 {run[name]['p50_ms']:.2f}ms p99 {run[name]['p99_ms']:.2f}ms "
                               f"({run[name]['sends_per_s']:,.0f}/s)" for name in ("small", "large")),
@@ -764,19 +798,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _run_on_server(setting: str, admin_dsn: str, args: argparse.Namespace,
                    local_cluster: bool) -> dict[str, Any]:
-    database = BENCH_DATABASE if local_cluster else f"{BENCH_DATABASE}_{secrets.token_hex(4)}"
-    _admin(admin_dsn, lambda conn: conn.execute(f"CREATE DATABASE {database}"))
+    template = BENCH_DATABASE if local_cluster else f"{BENCH_DATABASE}_{secrets.token_hex(4)}"
+    _admin(admin_dsn, lambda conn: conn.execute(f"CREATE DATABASE {template}"))
     try:
-        dsn = _with_database(admin_dsn, database)
-        pg_info = _admin(dsn, _server_info)
+        pg_info = _admin(_with_database(admin_dsn, template), _server_info)
         postmaster_pid = pg_info["postmaster_pid"] if local_cluster else None
         print(f"[{setting}] PostgreSQL {pg_info['server_version']}  fsync={pg_info['fsync']} "
               f"synchronous_commit={pg_info['synchronous_commit']} full_page_writes={pg_info['full_page_writes']}",
               file=sys.stderr, flush=True)
-        return benchmark_setting(setting, dsn, args, pg_info, postmaster_pid)
+        return benchmark_setting(setting, admin_dsn, template, args, pg_info, postmaster_pid)
     finally:
         if not local_cluster:
-            _admin(admin_dsn, lambda conn: conn.execute(f"DROP DATABASE IF EXISTS {database} WITH (FORCE)"))
+            _admin(admin_dsn, lambda conn: conn.execute(f"DROP DATABASE IF EXISTS {template} WITH (FORCE)"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -876,6 +909,7 @@ def main(argv: list[str] | None = None) -> int:
             "latency_senders_are": "the owner (human) and agents, members of both scopes; no fanout subscribers",
             "percentiles": "nearest rank; per run, then the median over repeats",
             "order": "throughput: baseline/actor alternating per repeat; latency: small/large alternating per repeat",
+            "isolation": "every run in its own database cloned from a VACUUM ANALYZEd template, then CHECKPOINT",
         },
         "targets": {"throughput_ratio_min": args.throughput_target, "latency_ratio_max": args.latency_target,
                     **verdicts},

@@ -339,6 +339,19 @@ class Unsubscribe(WorkspaceRequest, tag="unsubscribe"):
     workspace_feed: bool = False
 
 
+class Typing(WorkspaceRequest, tag="typing"):
+    """Ephemeral: tell the scope's members you are typing (never stored; expires by itself)."""
+
+    scope_id: Id
+    state: Literal["start", "stop"] = "start"
+
+
+class Presence(WorkspaceRequest, tag="presence"):
+    """Ephemeral: your presence to the workspace feed (never stored; expires unless refreshed)."""
+
+    state: Literal["online", "away"]
+
+
 CLIENT_FRAMES: tuple[type[Request], ...] = (
     Ping, Hello, Login, Auth, RevokeSessions,
     WorkspaceList, WorkspaceGet, WorkspaceCreate, WorkspaceSuspend,
@@ -348,7 +361,7 @@ CLIENT_FRAMES: tuple[type[Request], ...] = (
     ChannelCreate, ChannelList, DmOpen, ScopeGet, ScopeMembers, ScopeJoin, ScopeLeave, ScopeInvite, ScopeRemove,
     ScopeArchive, MessageSend, ThreadReply, MessageForward, MessageEdit, MessageWithdraw, MessageHistory, MessageGet,
     ReactionAdd, ReactionRemove, ReadMark, ReadMarkUnread, NotificationSet, InboxList, ConversationAction,
-    Subscribe, Unsubscribe,
+    Subscribe, Unsubscribe, Typing, Presence,
 )
 ClientFrame = Union[CLIENT_FRAMES]  # type: ignore[valid-type]
 KNOWN_OPS = frozenset(frame.__struct_config__.tag for frame in CLIENT_FRAMES)
@@ -563,3 +576,4 @@ CLOSE_GOING_AWAY = 1001
 CLOSE_UNAUTHENTICATED = 4401  # auth timeout or failed authentication
 CLOSE_REVOKED = 4403          # the credential was revoked, expired, or the membership ended
 CLOSE_SLOW_CONSUMER = 4408    # the client did not keep up; reconnect and resume from your cursors
+CLOSE_IDLE = 4400             # no frame from the client for idle_timeout_seconds

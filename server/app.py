@@ -32,7 +32,7 @@ from actors.fanout import FanoutHub
 from actors.outbox_worker import OutboxWorker
 from actors.registry import ScopeRegistry
 from server import handlers
-from server.messaging import ReactionRateLimiter
+from server.messaging import ReactionRateLimiter, TokenBucket
 from server.realtime import PushState
 from server.auth import Authenticator
 from server.config import ServerConfig
@@ -58,6 +58,8 @@ class Connection:
     closing: bool = False
     push: PushState | None = None
     nursery: trio.Nursery | None = None
+    last_inbound: float = field(default_factory=trio.current_time)
+    command_bucket: TokenBucket | None = None
 
     async def send(self, frame: Any) -> None:
         payload = encode(frame, binary=self.binary)
@@ -125,6 +127,7 @@ class Server:
     connections: ConnectionRegistry = field(default_factory=ConnectionRegistry)
     hub: FanoutHub = field(default_factory=FanoutHub)
     reaction_limiter: ReactionRateLimiter = field(default_factory=ReactionRateLimiter)
+    signal_buckets: dict = field(default_factory=dict)
     registry: ScopeRegistry | None = None
     outbox: OutboxWorker | None = None
     port: int | None = None
@@ -153,6 +156,7 @@ class Server:
             try:
                 async with trio.open_nursery() as background:
                     await background.start(self._watch_revocations)
+                    background.start_soon(self._heartbeat)
                     ws_server = await background.start(
                         partial(
                             trio_websocket.serve_websocket,
@@ -184,7 +188,9 @@ class Server:
         offered = request.proposed_subprotocols
         subprotocol = next((p for p in (MSGPACK_SUBPROTOCOL, JSON_SUBPROTOCOL) if p in offered), None)
         ws = await request.accept(subprotocol=subprotocol)
-        connection = Connection(ws=ws, binary=subprotocol == MSGPACK_SUBPROTOCOL)
+        connection = Connection(ws=ws, binary=subprotocol == MSGPACK_SUBPROTOCOL,
+                                command_bucket=TokenBucket(self.config.commands_per_second,
+                                                           self.config.command_burst))
         self.connections.add(connection)
         try:
             async with trio.open_nursery() as connection.nursery:  # its pusher, once it subscribes
@@ -210,9 +216,21 @@ class Server:
                                                   None))
                 await connection.close(frames.CLOSE_UNAUTHENTICATED, "authentication timeout")
                 return
+            connection.last_inbound = trio.current_time()
+            if not connection.command_bucket.take():
+                await connection.send(self._rate_limited(raw, connection.binary))
+                continue
             await connection.send(await self._answer(connection, raw))
             if connection.closing:
                 return
+
+    @staticmethod
+    def _rate_limited(raw: str | bytes, binary: bool) -> frames.Error:
+        try:
+            request_id = decode_request(raw, binary=binary).id
+        except ProtocolError as exc:
+            request_id = exc.details.get("id")
+        return error_frame(ProtocolError(ErrorCode.RATE_LIMITED, "too many commands; slow down"), request_id)
 
     async def _answer(self, connection: Connection, raw: str | bytes) -> Any:
         request_id: str | None = None
@@ -240,6 +258,13 @@ class Server:
             log.exception("request failed", extra={"request_id": request_id, "connection": connection.id})
             return error_frame(ProtocolError(ErrorCode.INTERNAL, "internal error"), request_id)
 
+    def check_connection_limit(self, principal: Principal) -> None:
+        """At most max_connections_per_member authenticated connections per account / key member."""
+        count = len(self.connections.of_key_member(principal.key_member_id) if principal.kind == "api_key"
+                    else self.connections.sessions_of(principal.account_id))
+        if count >= self.config.max_connections_per_member:
+            raise ProtocolError(ErrorCode.RATE_LIMITED, "too many connections for this member")
+
     def authenticated(self, connection: Connection, principal: Principal, expires_at: float | None) -> None:
         if connection.principal is not None:
             self.connections.remove(connection)
@@ -247,6 +272,33 @@ class Server:
         connection.principal = principal
         connection.session_expires_at = expires_at
         self.connections.authenticated(connection)
+
+    # --- heartbeat and idle ------------------------------------------------------------------
+
+    async def _heartbeat(self) -> None:
+        """Every heartbeat interval: close connections idle past idle_timeout_seconds
+        (4400), and ping the rest; one that does not answer in time is aborted."""
+        while True:
+            await trio.sleep(self.config.heartbeat_seconds)
+            now = trio.current_time()
+            async with trio.open_nursery() as pings:
+                for connection in list(self.connections.all):
+                    if connection.closing:
+                        continue
+                    if now - connection.last_inbound > self.config.idle_timeout_seconds:
+                        pings.start_soon(self._close_many, [(connection, "idle timeout")], frames.CLOSE_IDLE)
+                    else:
+                        pings.start_soon(self._ping, connection)
+
+    async def _ping(self, connection: Connection) -> None:
+        with trio.move_on_after(self.config.heartbeat_timeout_seconds) as waited:
+            try:
+                await connection.ws.ping()
+            except trio_websocket.ConnectionClosed:
+                return
+        if waited.cancelled_caught:
+            log.info("no pong; aborting connection", extra={"connection": connection.id})
+            await connection.abort()
 
     # --- revocation ----------------------------------------------------------------------
 
@@ -299,11 +351,11 @@ class Server:
         await self._close_many([(c, "session expired") for c in list(self.connections.all)
                                 if c.session_expires_at is not None and c.session_expires_at <= now])
 
-    async def _close_many(self, targets: list[tuple[Connection, str]]) -> None:
+    async def _close_many(self, targets: list[tuple[Connection, str]], code: int = frames.CLOSE_REVOKED) -> None:
         """Close concurrently, so one client slow to finish the handshake delays nobody."""
         if not targets:
             return
         with trio.move_on_after(self.config.shutdown_grace_seconds):
             async with trio.open_nursery() as closers:
                 for connection, reason in targets:
-                    closers.start_soon(connection.close, frames.CLOSE_REVOKED, reason)
+                    closers.start_soon(connection.close, code, reason)

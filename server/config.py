@@ -47,3 +47,11 @@ class ServerConfig:
     push_buffer_events: int = 1024
     push_timeout_seconds: float = 10.0
     max_subscriptions_per_connection: int = 100
+    # Limits: commands per connection (token bucket), connections per member,
+    # ping/pong heartbeat and idle timeout.
+    commands_per_second: float = 50.0
+    command_burst: int = 200
+    max_connections_per_member: int = 10_000
+    heartbeat_seconds: float = 30.0
+    heartbeat_timeout_seconds: float = 20.0
+    idle_timeout_seconds: float = 600.0

@@ -75,6 +75,7 @@ async def _auth_result(server: Server, connection: Connection, token: str | None
 
 async def login(server: Server, connection: Connection, request: f.Login, ctx: RequestContext | None) -> f.AuthResult:
     session = await server.auth.login(request.email, request.password)
+    server.check_connection_limit(session.principal)
     server.authenticated(connection, session.principal, session.expires_at)
     return await _auth_result(server, connection, session.token, session.expires_at)
 
@@ -87,6 +88,7 @@ async def auth(server: Server, connection: Connection, request: f.Auth, ctx: Req
     else:
         principal, _ = await server.auth.from_api_key(request.api_key)
         expires_at = None
+    server.check_connection_limit(principal)
     server.authenticated(connection, principal, expires_at)
     return await _auth_result(server, connection)
 
@@ -250,6 +252,8 @@ IN_WORKSPACE: dict[type, Handler] = {
     **messaging.HANDLERS,
     f.Subscribe: realtime.subscribe,
     f.Unsubscribe: realtime.unsubscribe,
+    f.Typing: realtime.typing,
+    f.Presence: realtime.presence,
 }
 assert set(PUBLIC) | set(AUTHENTICATED) | set(IN_WORKSPACE) == set(f.CLIENT_FRAMES), "every op needs a handler"
 

@@ -327,6 +327,25 @@ async def message_withdraw(server: Server, connection: Connection, request: f.Me
 
 # --- reactions ---------------------------------------------------------------------------------------
 
+class TokenBucket:
+    """A burst, then a steady rate (per connection commands, per member signals)."""
+
+    def __init__(self, rate_per_second: float, burst: int) -> None:
+        self.rate = rate_per_second
+        self.burst = burst
+        self.tokens = float(burst)
+        self.last = time.monotonic()
+
+    def take(self) -> bool:
+        now = time.monotonic()
+        self.tokens = min(self.burst, self.tokens + (now - self.last) * self.rate)
+        self.last = now
+        if self.tokens < 1:
+            return False
+        self.tokens -= 1
+        return True
+
+
 class ReactionRateLimiter:
     """Token bucket per member: a burst, then a steady rate.  Over the limit the
     command answers rate_limited (never accept-and-drop)."""

@@ -16,6 +16,7 @@ resumes from its cursors.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -25,6 +26,9 @@ import trio_websocket
 from actors.fanout import CommittedEvent, Subscription
 from actors.plan import CommittedMessage
 from protocol import frames as f
+from protocol.errors import ErrorCode, ProtocolError
+from server.messaging import TokenBucket, _scope, message_info, scope_info
+from server.rbac import Permission
 from storage import messages
 
 if TYPE_CHECKING:
@@ -47,8 +51,6 @@ class PushState:
 
 
 def _message_data(message: CommittedMessage | object, event: str):
-    from server.messaging import message_info
-
     info = message_info(message)
     if event == "message.withdrawn" or info.state == "withdrawn":
         info.content, info.metadata = "", {}
@@ -173,10 +175,6 @@ def _with_workspace(row, workspace_id: str) -> dict:
 
 
 async def subscribe(server: Server, connection: Connection, request: f.Subscribe, ctx) -> f.SubscribeResult:
-    from protocol.errors import ErrorCode, ProtocolError
-    from server.messaging import _scope, scope_info
-    from server.rbac import Permission
-
     workspace = ctx.require(Permission.MESSAGE_READ)
     state = connection.push
     if state is not None and state.workspace_id != workspace.workspace_id:
@@ -221,4 +219,42 @@ async def unsubscribe(server: Server, connection: Connection, request: f.Unsubsc
         if request.workspace_feed:
             state.global_cursor = None
             server.hub.unfollow_workspace(state.subscription)
+    return f.Ok()
+
+
+# --- ephemeral signals (strand-message.md §9.6) ----------------------------------------------
+
+TYPING_TTL_MS = 6_000
+PRESENCE_TTL_MS = 90_000
+
+
+def _signal_allowed(server: Server, key: tuple, rate: float, burst: int) -> bool:
+    bucket = server.signal_buckets.get(key)
+    if bucket is None:
+        if len(server.signal_buckets) > 100_000:  # bounded: forget old buckets wholesale
+            server.signal_buckets.clear()
+        bucket = server.signal_buckets[key] = TokenBucket(rate, burst)
+    return bucket.take()
+
+
+async def typing(server: Server, connection: Connection, request: f.Typing, ctx) -> f.Ok:
+    """Goes to the scope's current members only; nothing is written."""
+    workspace, row = await _scope(server, ctx, request.scope_id, Permission.MESSAGE_WRITE)
+    if not _signal_allowed(server, ("typing", workspace.member_id, row["id"]), 1.0, 5):
+        raise ProtocolError(ErrorCode.RATE_LIMITED, "typing signals are limited to about one a second")
+    roster = await server.db.run(messages.open_roster, row["id"])
+    server.hub.publish(CommittedEvent("typing", workspace.workspace_id, row["id"], None, None, {
+        "member_id": workspace.member_id, "state": request.state,
+        "expires_at_ms": int(time.time() * 1000) + TYPING_TTL_MS}), roster=roster)
+    return f.Ok()
+
+
+async def presence(server: Server, connection: Connection, request: f.Presence, ctx) -> f.Ok:
+    """Goes to the workspace feed's subscribers; nothing is written."""
+    workspace = ctx.require(Permission.MESSAGE_READ)
+    if not _signal_allowed(server, ("presence", workspace.member_id), 0.2, 3):
+        raise ProtocolError(ErrorCode.RATE_LIMITED, "presence updates are limited")
+    server.hub.publish(CommittedEvent("presence", workspace.workspace_id, "", None, None, {
+        "member_id": workspace.member_id, "state": request.state,
+        "expires_at_ms": int(time.time() * 1000) + PRESENCE_TTL_MS}), roster=None)
     return f.Ok()
