@@ -704,7 +704,8 @@ def print_tables(settings: list[dict[str, Any]], args: argparse.Namespace, targe
                     tail = (f"   {lat['ratio_p50_large_over_small']:>9.3f} {lat['ratio_p99_large_over_small']:>9.3f}  "
                             f"p50 {_verdict(lat['meets_target_p50'], s['setting'] == target_setting)}, "
                             f"p99 {_verdict(lat['meets_target_p99'], s['setting'] == target_setting)}")
-                print(f"{s['setting'] if name == 'small' else '':<10} {row['audience']:>8,} {row['p50_ms_median']:>8.3f} "
+                label = s["setting"] if name == "small" else ""
+                print(f"{label:<10} {row['audience']:>8,} {row['p50_ms_median']:>8.3f} "
                       f"{row['p99_ms_median']:>8.3f} {_fmt(row['sends_per_s_median']):>8} "
                       f"{row['batch_size_mean_median']:>6.2f}{tail}")
         print("  all runs (ms):")

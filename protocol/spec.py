@@ -42,7 +42,8 @@ def build() -> dict:
         "error_codes": [code.value for code in ErrorCode],
         "close_codes": {"1001": "server shutting down", str(frames.CLOSE_UNAUTHENTICATED): "authentication timeout",
                         str(frames.CLOSE_REVOKED): "credential revoked or expired",
-                        str(frames.CLOSE_SLOW_CONSUMER): "slow consumer: reconnect and resume from your cursors"},
+                        str(frames.CLOSE_SLOW_CONSUMER): "slow consumer: reconnect and resume from your cursors",
+                        str(frames.CLOSE_IDLE): "idle timeout"},
         "$defs": components,
     }
 

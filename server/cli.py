@@ -75,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds a new connection has to authenticate (default: %(default)s)")
     serve.add_argument("--session-ttl", type=int, default=int(_env("SESSION_TTL", "3600")),
                        help="lifetime of session tokens in seconds (default: %(default)s)")
+    for flag, env, default, text in (
+            ("--commands-per-second", "COMMANDS_PER_SECOND", "1000", "per-connection command rate (token bucket)"),
+            ("--max-connections-per-member", "MAX_CONNECTIONS_PER_MEMBER", "10000", "live connections per member"),
+            ("--idle-timeout", "IDLE_TIMEOUT", "600", "seconds without a client frame before closing (4400)"),
+            ("--heartbeat", "HEARTBEAT", "30", "seconds between server pings")):
+        serve.add_argument(flag, type=float, default=float(_env(env, default)), help=f"{text} (default: %(default)s)")
     serve.add_argument("--session-key-file", type=Path, default=_env("SESSION_KEY_FILE"),
                        help="Ed25519 key that signs session tokens (default: DATA_DIR/session-signing-key.pem); "
                             "every server on one database must share it")
@@ -114,7 +120,11 @@ def main(argv: list[str] | None = None) -> int:
 def _serve(args: argparse.Namespace) -> int:
     config = _database_config(args)
     server_config = ServerConfig(host=args.host, port=args.port, log_level=args.log_level,
-                                 auth_timeout_seconds=args.auth_timeout, session_ttl_seconds=args.session_ttl)
+                                 auth_timeout_seconds=args.auth_timeout, session_ttl_seconds=args.session_ttl,
+                                 commands_per_second=args.commands_per_second,
+                                 command_burst=int(2 * args.commands_per_second),
+                                 max_connections_per_member=int(args.max_connections_per_member),
+                                 idle_timeout_seconds=args.idle_timeout, heartbeat_seconds=args.heartbeat)
     with provisioned(config) as target:
         trio.run(_serve_async, target, config, server_config, _session_key_file(args, config))
     log.info("stopped")

@@ -49,8 +49,8 @@ class ServerConfig:
     max_subscriptions_per_connection: int = 100
     # Limits: commands per connection (token bucket), connections per member,
     # ping/pong heartbeat and idle timeout.
-    commands_per_second: float = 50.0
-    command_burst: int = 200
+    commands_per_second: float = 1000.0
+    command_burst: int = 2000
     max_connections_per_member: int = 10_000
     heartbeat_seconds: float = 30.0
     heartbeat_timeout_seconds: float = 20.0
