@@ -21,8 +21,10 @@ amortization, so the targets are evaluated on the durable cluster):
   latency      per-send latency of `registry.submit` into a scope with --small-audience (10)
                and one with --large-audience (10,000) memberships, with a fixed offered load
                of --latency-senders (8) closed-loop senders and --latency-sends (2,000) sends
-               per scope; the two scopes alternate order between repeats.  Reported: p50/p99
-               per scope and the ratios large/small.  Target: both ratios <= 1.2.
+               per scope, run in --latency-blocks (10) blocks that alternate between the two
+               scopes within one process (which goes first alternates between repeats), so
+               drift and background noise hit both alike.  Reported: p50/p99 per scope and
+               the ratios large/small.  Target: both ratios <= 1.2.
                (No fanout subscribers are connected: this measures the write path.)
 
 Every run has its own database (cloned from a VACUUM ANALYZEd template holding the fixture,
@@ -149,55 +151,52 @@ class CpuMeter:
                 "postgres": _process_tree_cpu_seconds(self.postmaster_pid)}
 
     @staticmethod
-    def delta(before: dict[str, Any], after: dict[str, Any], elapsed: float) -> dict[str, Any]:
-        threads = {name: round(after["threads"].get(name, 0.0) - before["threads"].get(name, 0.0), 3)
-                   for name in after["threads"]}
-        threads = {k: v for k, v in threads.items() if v > 0}
+    def diff(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
         postgres = None
         if before["postgres"] is not None and after["postgres"] is not None:
-            postgres = round(after["postgres"] - before["postgres"], 3)
+            postgres = after["postgres"] - before["postgres"]
+        return {"process": after["process"] - before["process"],
+                "threads": {name: after["threads"].get(name, 0.0) - before["threads"].get(name, 0.0)
+                            for name in after["threads"]},
+                "postgres": postgres}
+
+    @staticmethod
+    def add(total: dict[str, Any] | None, part: dict[str, Any]) -> dict[str, Any]:
+        if total is None:
+            return part
+        threads = dict(total["threads"])
+        for name, secs in part["threads"].items():
+            threads[name] = threads.get(name, 0.0) + secs
+        postgres = None
+        if total["postgres"] is not None and part["postgres"] is not None:
+            postgres = total["postgres"] + part["postgres"]
+        return {"process": total["process"] + part["process"], "threads": threads, "postgres": postgres}
+
+    @staticmethod
+    def report(raw: dict[str, Any], elapsed: float) -> dict[str, Any]:
+        threads = {k: round(v, 3) for k, v in raw["threads"].items() if v > 0}
+        postgres = raw["postgres"]
         return {
-            "python_process_cpu_s": round(after["process"] - before["process"], 3),
+            "python_process_cpu_s": round(raw["process"], 3),
             "python_threads_cpu_s": threads,
             # busy fraction of wall time per thread (1.0 = that thread was on a CPU all along)
             "python_threads_busy": {k: round(v / elapsed, 3) for k, v in threads.items()},
-            "postgres_cpu_s": postgres,
+            "postgres_cpu_s": round(postgres, 3) if postgres is not None else None,
             "postgres_cpus_busy": round(postgres / elapsed, 3) if postgres is not None else None,
         }
+
+    @staticmethod
+    def delta(before: dict[str, Any], after: dict[str, Any], elapsed: float) -> dict[str, Any]:
+        return CpuMeter.report(CpuMeter.diff(before, after), elapsed)
 
 
 # ----------------------------------------------------------------------------- transaction accounting
 
-class TxCounter:
-    """Wraps `db.transaction` on the instance (callers look it up per call) to count the
-    transactions each side runs, the actor's batch sizes and the time spent in each kind."""
-
-    def __init__(self, db: Database) -> None:
+class TxStats:
+    def __init__(self) -> None:
         self.batches: list[int] = []
         self.counts: dict[str, int] = {}
         self.seconds: dict[str, float] = {}
-        self.enabled = False
-        original = db.transaction
-
-        async def counted(fn: Callable[..., Awaitable[Any]], *args: Any, **kwargs: Any) -> Any:
-            if not self.enabled:
-                return await original(fn, *args, **kwargs)
-            name = getattr(fn, "__name__", repr(fn))
-            if name == "_apply_batch":
-                self.batches.append(len(args[0]))
-            start = time.perf_counter()
-            try:
-                return await original(fn, *args, **kwargs)
-            finally:
-                self.counts[name] = self.counts.get(name, 0) + 1
-                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
-
-        db.transaction = counted  # type: ignore[method-assign]
-
-    def reset(self) -> None:
-        self.batches.clear()
-        self.counts.clear()
-        self.seconds.clear()
 
     def report(self, elapsed: float) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -215,6 +214,32 @@ class TxCounter:
             out["batch_size_p50"] = _percentile(ordered, 0.50)
             out["batch_size_max"] = ordered[-1]
         return out
+
+
+class TxCounter:
+    """Wraps `db.transaction` on the instance (callers look it up per call) to count, into
+    `self.stats` while it is set, the transactions each side runs, the actor's batch sizes
+    and the time spent in each kind."""
+
+    def __init__(self, db: Database) -> None:
+        self.stats: TxStats | None = None
+        original = db.transaction
+
+        async def counted(fn: Callable[..., Awaitable[Any]], *args: Any, **kwargs: Any) -> Any:
+            stats = self.stats
+            if stats is None:
+                return await original(fn, *args, **kwargs)
+            name = getattr(fn, "__name__", repr(fn))
+            if name == "_apply_batch":
+                stats.batches.append(len(args[0]))
+            start = time.perf_counter()
+            try:
+                return await original(fn, *args, **kwargs)
+            finally:
+                stats.counts[name] = stats.counts.get(name, 0) + 1
+                stats.seconds[name] = stats.seconds.get(name, 0.0) + time.perf_counter() - start
+
+        db.transaction = counted  # type: ignore[method-assign]
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -420,13 +445,13 @@ def run_throughput(side: str, fx: Fixture, args: argparse.Namespace, n: int, poo
                         return send
 
                 await _drive(warmup, args.senders, sender_for(warm_scope))
-                counter.enabled = True
+                counter.stats = stats = TxStats()
                 before = meter.snapshot()
                 start = time.perf_counter()
                 done = await _drive(n, args.senders, sender_for(hot_scope))
                 elapsed = time.perf_counter() - start
                 cpu = CpuMeter.delta(before, meter.snapshot(), elapsed)
-                counter.enabled = False
+                counter.stats = None
                 nursery.cancel_scope.cancel()  # idle actors
             check = await db.run(_verify_scope, hot_scope)
         check["expected"] = n
@@ -437,22 +462,29 @@ def run_throughput(side: str, fx: Fixture, args: argparse.Namespace, n: int, poo
                 "python_cpu_us_per_send": round(cpu["python_process_cpu_s"] / n * 1e6, 1),
                 "postgres_cpu_us_per_send": (round(cpu["postgres_cpu_s"] / n * 1e6, 1)
                                              if cpu["postgres_cpu_s"] is not None else None),
-                "tx": counter.report(elapsed), "check": check}
+                "tx": stats.report(elapsed), "check": check}
 
     return trio.run(main)
 
 
 # ----------------------------------------------------------------------------- latency
 
-def run_latency(fx: Fixture, args: argparse.Namespace, order: tuple[str, ...], pool: PoolSettings,
+def run_latency(fx: Fixture, args: argparse.Namespace, first: str, pool: PoolSettings,
                 meter: CpuMeter) -> dict[str, Any]:
+    """Both scopes in one process and one registry, in alternating blocks (S L S L ... or
+    L S L S ...), so slow drift and background noise hit both audiences alike."""
     content = make_content(args.content_size)
     scopes = {"small": fx.small_scope, "large": fx.large_scope}
-    per_sender = math.ceil(args.latency_sends / args.latency_senders)
-    warmup_per_sender = max(5, per_sender // 10)
+    second = "large" if first == "small" else "small"
+    blocks = args.latency_blocks
+    per_sender_per_block = max(1, math.ceil(args.latency_sends / (args.latency_senders * blocks)))
+    warmup_per_sender = max(5, per_sender_per_block)
 
     async def main() -> dict[str, Any]:
-        out: dict[str, Any] = {}
+        samples: dict[str, list[float]] = {"small": [], "large": []}
+        elapsed = {"small": 0.0, "large": 0.0}
+        cpu: dict[str, Any] = {"small": None, "large": None}
+        stats = {"small": TxStats(), "large": TxStats()}
         async with Database(fx.dsn, pool) as db:
             counter = TxCounter(db)
             async with trio.open_nursery() as nursery:
@@ -461,14 +493,14 @@ def run_latency(fx: Fixture, args: argparse.Namespace, order: tuple[str, ...], p
                 actors = [ActorContext(fx.workspace_id, fx.owner_member_id, "human", None, fx.generation)]
                 actors += [fx.agent_actor(i) for i in range(args.latency_senders - 1)]
 
-                async def phase(scope_id: str, sends_each: int, samples: list[float] | None) -> None:
+                async def phase(scope_id: str, sends_each: int, out: list[float] | None) -> None:
                     async def sender(i: int) -> None:
                         for _ in range(sends_each):
                             t0 = time.perf_counter()
                             message = await registry.submit(
                                 scope_id, Send(actors[i], MessageIntent(scope_id=scope_id, content=content)))
-                            if samples is not None:
-                                samples.append((time.perf_counter() - t0) * 1000.0)
+                            if out is not None:
+                                out.append((time.perf_counter() - t0) * 1000.0)
                             assert isinstance(message, CommittedMessage)
 
                     async with trio.open_nursery() as senders:
@@ -476,31 +508,32 @@ def run_latency(fx: Fixture, args: argparse.Namespace, order: tuple[str, ...], p
                             senders.start_soon(sender, i)
 
                 # Warm both actors (the large one loads its 10k-entry roster here) and the pool.
-                for name in order:
+                for name in (first, second):
                     await phase(scopes[name], warmup_per_sender, None)
-                for name in order:
-                    samples: list[float] = []
-                    counter.reset()
-                    counter.enabled = True
-                    before = meter.snapshot()
-                    start = time.perf_counter()
-                    await phase(scopes[name], per_sender, samples)
-                    elapsed = time.perf_counter() - start
-                    cpu = CpuMeter.delta(before, meter.snapshot(), elapsed)
-                    counter.enabled = False
-                    ordered = sorted(samples)
-                    out[name] = {
-                        "scope_id": scopes[name], "sends": len(samples), "seconds": round(elapsed, 4),
-                        "sends_per_s": round(len(samples) / elapsed, 1),
-                        "p50_ms": round(_percentile(ordered, 0.50), 3),
-                        "p90_ms": round(_percentile(ordered, 0.90), 3),
-                        "p99_ms": round(_percentile(ordered, 0.99), 3),
-                        "max_ms": round(ordered[-1], 3),
-                        "mean_ms": round(statistics.fmean(ordered), 3),
-                        "cpu": cpu, "tx": counter.report(elapsed),
-                        "latencies_ms": [round(x, 3) for x in samples],
-                    }
+                for _ in range(blocks):
+                    for name in (first, second):
+                        counter.stats = stats[name]
+                        before = meter.snapshot()
+                        start = time.perf_counter()
+                        await phase(scopes[name], per_sender_per_block, samples[name])
+                        elapsed[name] += time.perf_counter() - start
+                        cpu[name] = CpuMeter.add(cpu[name], CpuMeter.diff(before, meter.snapshot()))
+                        counter.stats = None
                 nursery.cancel_scope.cancel()
+        out: dict[str, Any] = {}
+        for name in ("small", "large"):
+            ordered = sorted(samples[name])
+            out[name] = {
+                "scope_id": scopes[name], "sends": len(ordered), "blocks": blocks,
+                "seconds": round(elapsed[name], 4), "sends_per_s": round(len(ordered) / elapsed[name], 1),
+                "p50_ms": round(_percentile(ordered, 0.50), 3),
+                "p90_ms": round(_percentile(ordered, 0.90), 3),
+                "p99_ms": round(_percentile(ordered, 0.99), 3),
+                "max_ms": round(ordered[-1], 3),
+                "mean_ms": round(statistics.fmean(ordered), 3),
+                "cpu": CpuMeter.report(cpu[name], elapsed[name]), "tx": stats[name].report(elapsed[name]),
+                "latencies_ms": [round(x, 3) for x in samples[name]],
+            }
         return out
 
     return trio.run(main)
@@ -570,7 +603,7 @@ def benchmark_setting(setting: str, admin_dsn: str, template: str, args: argpars
     if "latency" in args.parts:
         for repeat in range(args.repeats):
             order = ("small", "large") if repeat % 2 == 0 else ("large", "small")
-            run = clones.run(fx, lambda f: run_latency(f, args, order, pool, meter))
+            run = clones.run(fx, lambda f: run_latency(f, args, order[0], pool, meter))
             latency_runs.append({"repeat": repeat, "order": list(order), **run})
             run.pop("database")
             print(f"[{setting}] latency rep {repeat} ({'/'.join(order)}):  "
@@ -771,6 +804,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--latency-senders", type=int, default=8, help="concurrent senders for latency (default 8)")
     p.add_argument("--latency-sends", type=int, default=None,
                    help="timed sends per scope per latency run (default 2000; 400 with --quick)")
+    p.add_argument("--latency-blocks", type=int, default=10,
+                   help="blocks per scope per latency run; the scopes alternate block by block (default 10)")
     p.add_argument("--small-audience", type=int, default=10, help="members of the small scope (default 10)")
     p.add_argument("--large-audience", type=int, default=10_000, help="members of the large scope (default 10000)")
     p.add_argument("--throughput-target", type=float, default=3.0, help="required actor/baseline ratio (3.0)")
@@ -897,6 +932,7 @@ def main(argv: list[str] | None = None) -> int:
             "repeats": args.repeats,
             "latency_senders": args.latency_senders,
             "latency_sends_per_scope": args.latency_sends,
+            "latency_blocks": args.latency_blocks,
             "small_audience": args.small_audience,
             "large_audience": args.large_audience,
             "quick": args.quick,
@@ -909,7 +945,8 @@ def main(argv: list[str] | None = None) -> int:
             "senders_are": "distinct agent members of the scope (owned by the workspace owner)",
             "latency_senders_are": "the owner (human) and agents, members of both scopes; no fanout subscribers",
             "percentiles": "nearest rank; per run, then the median over repeats",
-            "order": "throughput: baseline/actor alternating per repeat; latency: small/large alternating per repeat",
+            "order": "throughput: baseline/actor alternating per repeat; latency: blocks alternating small/large "
+                     "within each run, which scope goes first alternating per repeat",
             "isolation": "every run in its own database cloned from a VACUUM ANALYZEd template, then CHECKPOINT",
         },
         "targets": {"throughput_ratio_min": args.throughput_target, "latency_ratio_max": args.latency_target,

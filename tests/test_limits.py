@@ -95,7 +95,7 @@ async def test_typing_and_presence_are_ephemeral(app: App, tenants, member_passw
             presence = (await events_for(listener, 1, "presence"))[0]
             assert presence["data"]["state"] == "away"
         # Carol is not in the channel: she saw presence but no typing.
-        assert not [e for e in c.events if e["event"] == "typing"]
+        assert not [e for e in c.queued_events() if e["event"] == "typing"]
         await expect_error("not_found", c.call("typing", scope_id="scp_zzzzzzzzzzzzzz", **ws))
         outcomes = []
         for _ in range(8):

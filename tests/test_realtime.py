@@ -181,7 +181,7 @@ async def test_subscriptions_need_authentication_and_entitlement(app: App, tenan
         hello = await conn.call("hello", protocol_version=frames.PROTOCOL_VERSION)
         assert hello["protocol_version"] == frames.PROTOCOL_VERSION
         await expect_error("invalid", conn.call("hello", protocol_version=99))
-    assert not conn.events
+    assert not conn.queued_events()
 
 
 @pytest.fixture
@@ -196,8 +196,14 @@ async def test_a_stalled_client_is_cut_off_and_others_keep_up(app: App, tenants)
     big = "x" * 30_000
     async with await signed_in(app, alpha.owner) as owner:
         channel = await open_channel(owner, alpha.workspace_id, "firehose")
-        async with await signed_in(app, alpha.owner) as stalled, await signed_in(app, alpha.owner) as healthy:
-            await stalled.call("subscribe", scopes=[{"scope_id": channel["id"]}], **ws)
+        # A raw client that subscribes and then never reads again.
+        async with trio_websocket.open_websocket_url(app.url) as stalled, \
+                await signed_in(app, alpha.owner) as healthy:
+            for request in ({"op": "login", "id": "1", "email": alpha.owner.email, "password": alpha.owner.password},
+                            {"op": "subscribe", "id": "2", "scopes": [{"scope_id": channel["id"]}], **ws}):
+                await stalled.send_message(json.dumps(request))
+                while json.loads(await stalled.get_message()).get("id") != request["id"]:
+                    pass
             await healthy.call("subscribe", scopes=[{"scope_id": channel["id"]}], **ws)
             received: list[int] = []
 
@@ -210,10 +216,10 @@ async def test_a_stalled_client_is_cut_off_and_others_keep_up(app: App, tenants)
                 for i in range(200):
                     await owner.call("message.send", scope_id=channel["id"], content=big, **ws)
             assert received == list(range(1, 201))
-            # The stalled connection (never read) was cut off: reading now ends in a close.
+            # The stalled connection was cut off: reading now ends in a close.
             with trio.fail_after(15):
                 with pytest.raises(trio_websocket.ConnectionClosed) as closed:
                     while True:
-                        frame = json.loads(await stalled.ws.get_message())
+                        frame = json.loads(await stalled.get_message())
                         assert frame["type"] == "event"
             assert closed.value.reason.code in (frames.CLOSE_SLOW_CONSUMER, 1006)

