@@ -77,6 +77,7 @@ import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
+import traceback  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from importlib import metadata  # noqa: E402
 from typing import Any  # noqa: E402
@@ -123,6 +124,11 @@ def _stat_fields(pid: int) -> list[str] | None:
         return None
 
 
+def _start_time(pid: int) -> int | None:
+    fields = _stat_fields(pid)
+    return int(fields[19]) if fields is not None else None
+
+
 def proc_cpu_s(pid: int) -> float | None:
     fields = _stat_fields(pid)
     if fields is None:
@@ -154,6 +160,14 @@ def descendants(pid: int) -> list[int]:
             out.append(child)
             stack.append(child)
     return out
+
+
+def machine_cpu_s() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine so far, from /proc/stat."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    total = sum(fields)
+    return (total - idle) / CLK_TCK, total / CLK_TCK
 
 
 def tree_cpu_s(pids: list[int]) -> float:
@@ -228,7 +242,7 @@ def run_subscribers(args: argparse.Namespace) -> int:
     started = time.monotonic()
     url = urlsplit(args.url)
     host, port = url.hostname, url.port
-    keys = args.api_keys.split(",")
+    keys = args.keys.split(",")
     scope_id = args.scope_id
     auth_frames = {k: client_frame(json.dumps({"op": "auth", "id": "a", "api_key": k}).encode()) for k in keys}
     subscribe_frame = client_frame(json.dumps({"op": "subscribe", "id": "s",
@@ -350,7 +364,6 @@ def run_subscribers(args: argparse.Namespace) -> int:
             last_progress = now_m
             _emit({"p": measured})
         events = ep.poll(0.25)
-        now = time.time_ns()
         quit_now = False
         for fd, _ in events:
             if fd == stdin_fd:
@@ -394,6 +407,7 @@ def run_subscribers(args: argparse.Namespace) -> int:
             if not data:
                 drop(fd, "eof")
                 continue
+            now = time.time_ns()  # per read: frames of this read arrived by now
             if c.buf:
                 data = c.buf + data
             n = len(data)
@@ -496,6 +510,7 @@ def event_envelope(workspace_id: str, scope_id: str, seq: int, content: str, aut
 def run_baseline_server(args: argparse.Namespace) -> int:
     _raise_nofile()
     from websockets.asyncio.server import broadcast, serve
+    from websockets.exceptions import ConnectionClosed
 
     workspace_id, author = "wsp_0000baseline00", "mem_0000baseline00"
     state = {"seq": 0}
@@ -519,6 +534,8 @@ def run_baseline_server(args: argparse.Namespace) -> int:
                 if op == "subscribe":
                     subscribers.add(ws)
                 await ws.send(json.dumps({"type": "result", "id": rid, "op": op, "data": {}}))
+        except ConnectionClosed:
+            pass  # the clients close with a reset
         finally:
             subscribers.discard(ws)
 
@@ -554,7 +571,8 @@ class Procs:
 
     async def stop(self, proc: asyncio.subprocess.Process, grace: float = 20.0) -> None:
         if proc.returncode is None:
-            tree = descendants(proc.pid)
+            # (pid, start time): a pid reused by an unrelated process is never signalled.
+            tree = [(child, _start_time(child)) for child in descendants(proc.pid)]
             with contextlib.suppress(ProcessLookupError):
                 proc.send_signal(signal.SIGTERM)
             try:
@@ -563,11 +581,15 @@ class Procs:
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()
                 await proc.wait()
-            # Anything the process left behind (e.g. a postmaster that outlived a SIGKILL).
-            for pid in tree:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    if _stat_fields(pid) is not None:
-                        await asyncio.sleep(2)
+            # Anything it left behind (e.g. a postmaster that outlived a SIGKILL): a few
+            # seconds to go by itself (parent-death signal), then SIGKILL.
+            for _ in range(50):
+                if not any(_start_time(pid) == started for pid, started in tree):
+                    break
+                await asyncio.sleep(0.1)
+            for pid, started in tree:
+                if started is not None and _start_time(pid) == started:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
                         os.kill(pid, signal.SIGKILL)
         if proc in self.items:
             self.items.remove(proc)
@@ -757,12 +779,13 @@ def _cpu_snapshot(server_pid: int, worker_pids: list[int]) -> dict[str, float]:
     ru = resource.getrusage(resource.RUSAGE_SELF)
     return {"server": proc_cpu_s(server_pid) or 0.0, "server_descendants": tree_cpu_s(kids),
             "clients": tree_cpu_s(worker_pids), "sender": ru.ru_utime + ru.ru_stime,
-            "per_client": [proc_cpu_s(p) or 0.0 for p in worker_pids]}
+            "per_client": [proc_cpu_s(p) or 0.0 for p in worker_pids], "machine": machine_cpu_s()[0]}
 
 
 async def one_run(side: str, subscribers: int, rate: float, fx: Fixture, args: argparse.Namespace,
-                  procs: Procs, tag: str, profile: bool) -> dict[str, Any]:
-    run: dict[str, Any] = {"side": side, "subscribers": subscribers, "rate": rate, "duration_s": args.duration}
+                  procs: Procs, tag: str, profile: bool, run: dict[str, Any]) -> dict[str, Any]:
+    run.update({"side": side, "subscribers": subscribers, "rate": rate, "duration_s": args.duration})
+    run["quiet"] = await wait_for_quiet(args)
     t_start = time.monotonic()
     proc, url = await start_server(side, fx, args, procs, tag)
     pid = proc.pid
@@ -785,6 +808,7 @@ async def one_run(side: str, subscribers: int, rate: float, fx: Fixture, args: a
 
     watcher = asyncio.create_task(watch_rss())
     try:
+        run["stage"] = "sender connect"
         await sender.open()
         await asyncio.sleep(args.settle)
         rss_base = proc_rss_kib(pid)
@@ -796,13 +820,14 @@ async def one_run(side: str, subscribers: int, rate: float, fx: Fixture, args: a
         for index, count in enumerate(shares):
             wp = procs.add(await asyncio.create_subprocess_exec(
                 sys.executable, str(Path(__file__).resolve()), "--role", "subscribers", "--url", url,
-                "--count", str(count), "--index", str(index), "--api-keys", ",".join(fx.subscriber_keys),
+                "--count", str(count), "--index", str(index), "--keys", ",".join(fx.subscriber_keys),
                 "--scope-id", fx.scope_id, "--max-seconds", str(args.timeout), cwd=ROOT,
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                 stderr=open(fx.log_dir / f"{tag}-{side}-client{index}.log", "wb")))
             w = Worker(wp)
             w.reader = asyncio.create_task(w.read())
             workers.append(w)
+        run["stage"] = "subscribers connect + auth"
         t_conn = time.monotonic()
         authed = [await w.expect("authed", phase_timeout) for w in workers]
         run["connect_auth_s"] = round(time.monotonic() - t_conn, 2)
@@ -812,6 +837,7 @@ async def one_run(side: str, subscribers: int, rate: float, fx: Fixture, args: a
         rss_auth = proc_rss_kib(pid)
 
         # ---- subscribe
+        run["stage"] = "subscribe"
         t_sub = time.monotonic()
         for w in workers:
             await w.command("subscribe")
@@ -825,6 +851,7 @@ async def one_run(side: str, subscribers: int, rate: float, fx: Fixture, args: a
             raise RuntimeError(f"no subscriber subscribed: {run['client_setup_errors']}")
 
         # ---- warmup (not measured: its content carries a timestamp before T0)
+        run["stage"] = "warmup"
         if args.warmup > 0:
             run["warmup"] = await sender.run(rate, args.warmup)
             await asyncio.sleep(1.0)
@@ -841,12 +868,14 @@ async def one_run(side: str, subscribers: int, rate: float, fx: Fixture, args: a
         spy = None
         if profile:
             spy = await _start_py_spy(pid, args.duration, fx.log_dir / f"{tag}-{side}-py-spy.txt")
+        run["stage"] = "measured sends"
         send = await sender.run(rate, args.duration, start_ns=t0)
         run["send"] = send
         run["send_errors"] = dict(sender.errors)
         run["ack_latency_ms"] = hist_percentiles(sender.ack_hist, (50, 99))
 
         # ---- drain: until every acknowledged send reached every subscriber, or no progress
+        run["stage"] = "drain"
         expected = send["acked"] * n_sub
         t_drain = time.monotonic()
         last_total, last_change = -1, time.monotonic()
@@ -866,6 +895,7 @@ async def one_run(side: str, subscribers: int, rate: float, fx: Fixture, args: a
             run["py_spy"] = await _finish_py_spy(*spy)
 
         # ---- collect
+        run["stage"] = "report"
         for w in workers:
             await w.command("report")
         reports = [await w.expect("report", 120) for w in workers]
@@ -930,7 +960,28 @@ def _cpu_delta(a: dict[str, Any], b: dict[str, Any], wall: float) -> dict[str, A
         out[f"{key}_cpu_s"] = round(b[key] - a[key], 3)
         out[f"{key}_busy"] = round((b[key] - a[key]) / wall, 3) if wall else None
     out["per_client_busy"] = [round((y - x) / wall, 3) for x, y in zip(a["per_client"], b["per_client"])]
+    # Everything else on the machine over the window (other users' processes): not ours, but it
+    # competes for the same cores.  Descendants that exited inside the window are missed (slightly
+    # inflating this).
+    ours = sum(b[k] - a[k] for k in ("server", "server_descendants", "clients", "sender"))
+    out["machine_busy"] = round((b["machine"] - a["machine"]) / wall, 3) if wall else None
+    out["foreign_busy"] = round(max(0.0, b["machine"] - a["machine"] - ours) / wall, 3) if wall else None
     return out
+
+
+async def wait_for_quiet(args: argparse.Namespace) -> dict[str, Any]:
+    """Before a run: wait (at most --wait-idle s) until the machine is nearly idle (busy below
+    --idle-busy cores over 1 s), so other users' work does not land in the measurement."""
+    waited = time.monotonic()
+    busy = None
+    while True:
+        b0, t0 = machine_cpu_s()
+        await asyncio.sleep(1.0)
+        b1, t1 = machine_cpu_s()
+        busy = (b1 - b0) / ((t1 - t0) / os.cpu_count()) if t1 > t0 else 0.0
+        if busy <= args.idle_busy or time.monotonic() - waited >= args.wait_idle:
+            break
+    return {"waited_s": round(time.monotonic() - waited, 1), "machine_busy_before": round(busy, 2)}
 
 
 # ============================================================================ py-spy (optional)
@@ -1065,6 +1116,7 @@ def summarize(runs: list[dict[str, Any]], configs: list[tuple[int, float]]) -> l
                 "server_busy": med(lambda r: r["cpu"]["server_busy"]),
                 "server_descendants_busy": med(lambda r: r["cpu"]["server_descendants_busy"]),
                 "clients_busy": med(lambda r: r["cpu"]["clients_busy"]),
+                "other_processes_busy": med(lambda r: r["cpu"]["foreign_busy"]),
                 "server_cpu_us_per_delivery": med(
                     lambda r: r["cpu"]["server_cpu_s"] / r["deliveries"] * 1e6 if r["deliveries"] else None),
                 "frame_bytes_mean": med(lambda r: r["frame_bytes_mean"]),
@@ -1125,8 +1177,8 @@ def print_tables(rows: list[dict[str, Any]], runs: list[dict[str, Any]], args: a
     print(f"Fanout: one scope, SUBSCRIBERS connections in {args.client_procs} client processes, a fixed send rate "
           f"for {args.duration:g} s, {args.payload}-char content; medians of {args.repeats} run(s)")
     header = (f"{'subs':>5} {'msg/s':>6} {'side':<9} {'deliv/s':>9} {'offered/s':>9} {'deliv%':>7} {'p50 ms':>8} "
-              f"{'p99 ms':>8} {'max ms':>8} {'srv CPU':>7} {'cli CPU':>7} {'KiB/conn auth':>13} {'sub':>6} "
-              f"{'4408':>5}")
+              f"{'p99 ms':>8} {'max ms':>8} {'srv CPU':>7} {'cli CPU':>7} {'other':>6} {'KiB/conn auth':>13} "
+              f"{'sub':>6} {'4408':>5}")
     print(header)
     print("-" * len(header))
     for row in rows:
@@ -1139,6 +1191,7 @@ def print_tables(rows: list[dict[str, Any]], runs: list[dict[str, Any]], args: a
                   f"{_f(s['offered_deliveries_per_s']):>9} {_f(100 * (s['delivered_fraction'] or 0), '.1f'):>7} "
                   f"{_f(s['p50_ms'], '.2f'):>8} {_f(s['p99_ms'], '.2f'):>8} {_f(s['max_ms'], '.1f'):>8} "
                   f"{_f(s['server_busy'], '.2f'):>7} {_f(s['clients_busy'], '.2f'):>7} "
+                  f"{_f(s['other_processes_busy'], '.2f'):>6} "
                   f"{_f(s['kib_per_conn_authenticated'], '.1f'):>13} {_f(s['kib_per_conn_subscribed'], '.1f'):>6} "
                   f"{_f(s['slow_consumer_closes'], '.0f'):>5}")
         print(f"{'':>5} {'':>6} {'ratio':<9} deliveries/s {_f(row['ratio_deliveries'], '.3f')}   "
@@ -1146,7 +1199,8 @@ def print_tables(rows: list[dict[str, Any]], runs: list[dict[str, Any]], args: a
     print()
     print("  deliv/s: measured deliveries / (last delivery - first send); deliv%: of acknowledged sends x "
           "subscribers;")
-    print("  srv CPU: server process busy (cores, its own process only); cli CPU: all client processes; "
+    print("  CPU in cores busy over the window: srv = the server process only, cli = all client processes,")
+    print("  other = processes that are not this benchmark's (competing for the same cores); "
           "4408: slow-consumer closes")
     print()
     print("all runs:")
@@ -1163,7 +1217,7 @@ def print_tables(rows: list[dict[str, Any]], runs: list[dict[str, Any]], args: a
               f"frame {_f(r['frame_bytes_mean'], '.0f')} B")
         print(f"  {'':>5}   {'':>6}{'':<9}         CPU busy: server {cpu['server_busy']} postgres/children "
               f"{cpu['server_descendants_busy']} clients {cpu['clients_busy']} {cpu['per_client_busy']} sender "
-              f"{cpu['sender_busy']};  RSS MiB base {_f(r['rss_kib']['base'] / 1024, '.1f')} auth "
+              f"{cpu['sender_busy']} other processes {cpu['foreign_busy']};  RSS MiB base {_f(r['rss_kib']['base'] / 1024, '.1f')} auth "
               f"{_f(r['rss_kib']['authenticated'] / 1024, '.1f')} sub {_f(r['rss_kib']['subscribed'] / 1024, '.1f')}"
               f" peak {_f(r['rss_kib']['peak'] / 1024, '.1f')};  closes {r['closes'] or '{}'}"
               + (f";  ABORTED {r['aborted']}" if r.get("aborted") else ""))
@@ -1236,6 +1290,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--drain-timeout", type=float, default=60.0, help="longest drain after the sends (default 60)")
     p.add_argument("--max-server-rss-mib", type=int, default=8192,
                    help="abort a run whose server grows past this (default 8192)")
+    p.add_argument("--wait-idle", type=float, default=120.0,
+                   help="before each run, wait up to this long for the machine to be idle (default 120)")
+    p.add_argument("--idle-busy", type=float, default=0.3,
+                   help="'idle' = at most this many cores busy over 1 s (default 0.3)")
     p.add_argument("--sides", default=",".join(SIDES), help=f"comma list from {SIDES}")
     p.add_argument("--baseline-loop", choices=("asyncio", "uvloop"), default="asyncio",
                    help="event loop of the baseline server (default asyncio)")
@@ -1252,12 +1310,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--url", help=argparse.SUPPRESS)
     p.add_argument("--count", type=int, help=argparse.SUPPRESS)
     p.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--keys", help=argparse.SUPPRESS)
     p.add_argument("--scope-id", help=argparse.SUPPRESS)
     p.add_argument("--max-seconds", type=float, default=3600.0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.role != "main":
-        if args.role == "subscribers":
-            args.api_keys = args.api_keys  # the comma list, in this role
         return args
     if args.configs is None:
         args.configs = "200:200" if args.quick else "1000:500,5000:100"
@@ -1292,11 +1349,13 @@ async def benchmark(args: argparse.Namespace, scratch: Path, procs: Procs) -> tu
                 done += 1
                 tag = f"{subscribers}-{rate:g}-r{repeat}"
                 profile = args.py_spy and side == "scopewire"
+                run = {}
                 try:
-                    run = await one_run(side, subscribers, rate, fx, args, procs, tag, profile)
+                    run = await one_run(side, subscribers, rate, fx, args, procs, tag, profile, run)
                 except Exception as exc:  # one failed run does not lose the others
+                    traceback.print_exc()
                     run = {"side": side, "subscribers": subscribers, "rate": rate,
-                           "error": f"{type(exc).__name__}: {exc}"[:500]}
+                           "error": f"{type(exc).__name__} during {run.get('stage')}: {exc}"[:500]}
                     await procs.stop_all()
                 run["repeat"] = repeat
                 runs.append(run)
@@ -1332,6 +1391,8 @@ def main(argv: list[str] | None = None) -> int:
     started_at = datetime.datetime.now(datetime.timezone.utc)
     loadavg_at_start = os.getloadavg()
     scratch = Path(tempfile.mkdtemp(prefix="scopewire-fanout-"))
+    if os.geteuid() == 0:
+        scratch.chmod(0o755)  # as root, postgres runs as an unprivileged account that must enter it
     procs = Procs()
 
     async def amain() -> tuple[Fixture, list[dict[str, Any]]]:

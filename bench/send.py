@@ -361,9 +361,34 @@ def build_fixture(dsn: str, args: argparse.Namespace, pool: PoolSettings) -> Fix
             for scope_id, audience in ((small, args.small_audience), (large, args.large_audience)):
                 ctx = await db.run(messages.load_scope_context, scope_id)
                 assert ctx is not None and len(ctx.roster) == audience, (scope_id, audience)
+            if args.history:
+                await _write_history(db, init.workspace_id, init.member_id, generation, args)
             return Fixture(dsn, init.workspace_id, init.member_id, generation, tuple(agents), small, large)
 
     return trio.run(main)
+
+
+async def _write_history(db: Database, workspace_id: str, owner: str, generation: int,
+                         args: argparse.Namespace) -> None:
+    """Pre-existing messages in another scope, their outbox rows delivered: the message tables
+    are not empty when the runs start, as on a server in use.  (On empty, analyzed tables
+    PostgreSQL plans the foreign-key checks of new rows, cached per connection, as sequential
+    scans, and every later insert pays a scan of the growing table until autovacuum
+    re-analyzes it: measured 1,400 tuples read per send and up to 6x run-to-run spread.)"""
+    scope_id = await _create_scope_with(db, workspace_id, owner, [])
+    scope = await db.run(messages.load_scope_context, scope_id)
+    actor = ActorContext(workspace_id, owner, "human", None, generation)
+    content = make_content(args.content_size)
+    batch = 1000
+
+    async def unit(conn: asyncpg.Connection, count: int) -> None:
+        plans = [plan_message(MessageIntent(scope_id=scope_id, content=content), actor, scope, {}, None)
+                 for _ in range(count)]
+        committed = await applier.insert_messages(conn, workspace_id, scope_id, plans)
+        await applier.settle_inline_delivered(conn, [m.id for m in committed])
+
+    for start in range(0, args.history, batch):
+        await db.transaction(unit, min(batch, args.history - start))
 
 
 # ----------------------------------------------------------------------------- throughput
@@ -378,6 +403,37 @@ async def _baseline_unit(conn: asyncpg.Connection, scope: ScopeContext, actor: A
     plan = plan_message(intent, actor, scope, {}, None)
     committed = await applier.insert_messages(conn, scope.workspace_id, scope.scope_id, [plan])
     return committed[0]
+
+
+_HOT_TABLES = ("scopes", "scope_messages", "scope_fanout_outbox", "workspace_message_counters")
+_DB_COUNTERS = ("xact_commit", "xact_rollback", "tup_returned", "tup_fetched", "tup_inserted", "tup_updated",
+                "blks_hit", "blks_read")
+_TABLE_COUNTERS = ("seq_scan", "seq_tup_read", "idx_scan", "idx_tup_fetch", "n_tup_upd", "n_tup_hot_upd",
+                   "autovacuum_count", "autoanalyze_count")
+
+
+async def _pg_stats(conn: asyncpg.Connection) -> dict[str, Any]:
+    """Cumulative server counters of this database and the hot tables (diagnostics: a plan or
+    bloat problem shows up as tuples read per send)."""
+    await conn.execute("SELECT pg_stat_clear_snapshot()")
+    row = await conn.fetchrow(f"SELECT {', '.join(_DB_COUNTERS)} FROM pg_stat_database "
+                              "WHERE datname = current_database()")
+    tables = await conn.fetch(f"SELECT relname, n_dead_tup, {', '.join(_TABLE_COUNTERS)} FROM pg_stat_user_tables "
+                              "WHERE relname = ANY($1::text[])", list(_HOT_TABLES))
+    return {"database": dict(row), "tables": {t["relname"]: dict(t) for t in tables}}
+
+
+def _pg_stats_delta(before: dict[str, Any], after: dict[str, Any], sends: int) -> dict[str, Any]:
+    db = {k: after["database"][k] - before["database"][k] for k in _DB_COUNTERS}
+    out: dict[str, Any] = {"database": db,
+                           "tuples_read_per_send": round((db["tup_returned"] + db["tup_fetched"]) / sends, 1),
+                           "buffer_hits_per_send": round(db["blks_hit"] / sends, 1), "tables": {}}
+    for name, t in after["tables"].items():
+        b = before["tables"].get(name, {k: 0 for k in t})
+        delta = {k: (t[k] or 0) - (b[k] or 0) for k in _TABLE_COUNTERS}
+        delta["n_dead_tup_at_end"] = t["n_dead_tup"]
+        out["tables"][name] = delta
+    return out
 
 
 async def _verify_scope(conn: asyncpg.Connection, scope_id: str) -> dict[str, Any]:
@@ -445,6 +501,8 @@ def run_throughput(side: str, fx: Fixture, args: argparse.Namespace, n: int, poo
                         return send
 
                 await _drive(warmup, args.senders, sender_for(warm_scope))
+                await trio.sleep(1.1)  # backends flush pending statistics about once a second
+                stats_before = await db.run(_pg_stats)
                 counter.stats = stats = TxStats()
                 before = meter.snapshot()
                 start = time.perf_counter()
@@ -453,6 +511,8 @@ def run_throughput(side: str, fx: Fixture, args: argparse.Namespace, n: int, poo
                 cpu = CpuMeter.delta(before, meter.snapshot(), elapsed)
                 counter.stats = None
                 nursery.cancel_scope.cancel()  # idle actors
+            await trio.sleep(1.1)
+            pg_stats = _pg_stats_delta(stats_before, await db.run(_pg_stats), n)
             check = await db.run(_verify_scope, hot_scope)
         check["expected"] = n
         check["gap_free"] = (check["messages"] == n and check["distinct_seqs"] == n and check["min_seq"] == 1
@@ -462,7 +522,7 @@ def run_throughput(side: str, fx: Fixture, args: argparse.Namespace, n: int, poo
                 "python_cpu_us_per_send": round(cpu["python_process_cpu_s"] / n * 1e6, 1),
                 "postgres_cpu_us_per_send": (round(cpu["postgres_cpu_s"] / n * 1e6, 1)
                                              if cpu["postgres_cpu_s"] is not None else None),
-                "tx": stats.report(elapsed), "check": check}
+                "tx": stats.report(elapsed), "pg_stats": pg_stats, "check": check}
 
     return trio.run(main)
 
@@ -574,7 +634,8 @@ def benchmark_setting(setting: str, admin_dsn: str, template: str, args: argpars
     pool = PoolSettings(min_size=args.pool_size, max_size=args.pool_size)
     meter = CpuMeter(postmaster_pid)
     n = args.durable_messages if setting == "durable" else args.messages
-    print(f"[{setting}] building fixture ({args.large_audience:,} agents, latency scopes) ...",
+    print(f"[{setting}] building fixture ({args.large_audience:,} agents, latency scopes, "
+          f"{args.history:,} history messages) ...",
           file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     fx = build_fixture(_with_database(admin_dsn, template), args, pool)
@@ -594,7 +655,9 @@ def benchmark_setting(setting: str, admin_dsn: str, template: str, args: argpars
                 batch = f"  batch mean {tx['batch_size_mean']}" if "batch_size_mean" in tx else ""
                 print(f"[{setting}] throughput {side:8s} rep {repeat}  {run['sends_per_s']:>9,.0f} sends/s  "
                       f"({n} in {run['seconds']:.2f}s){batch}  py-cpu {run['python_cpu_us_per_send']}us/send  "
-                      f"pg-cpu {run['postgres_cpu_us_per_send']}us/send  gap-free {run['check']['gap_free']}",
+                      f"pg-cpu {run['postgres_cpu_us_per_send']}us/send  "
+                      f"pg-tuples-read {run['pg_stats']['tuples_read_per_send']}/send  "
+                      f"gap-free {run['check']['gap_free']}",
                       file=sys.stderr, flush=True)
                 if not run["check"]["gap_free"]:
                     print(f"WARNING: {side} run left {run['check']}", file=sys.stderr)
@@ -797,6 +860,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=float, default=0.1,
                    help="warmup sends (into a separate scope) as a fraction of the timed ones (default 0.1, "
                         "at least 4x senders)")
+    p.add_argument("--history", type=int, default=100_000,
+                   help="messages written beforehand into another scope of the template (default 100000)")
     p.add_argument("--senders", type=int, default=100, help="concurrent senders for throughput (default 100)")
     p.add_argument("--content-size", type=int, default=120, help="message content length (default 120)")
     p.add_argument("--pool-size", type=int, default=20, help="pool min=max size, both sides (default 20)")
@@ -942,6 +1007,7 @@ def main(argv: list[str] | None = None) -> int:
                 "baseline": "Database.transaction per message: execution_state_for_share, plan_message "
                             "(ScopeContext loaded once, no mentions), applier.insert_messages([plan])",
             },
+            "history_messages": args.history,
             "senders_are": "distinct agent members of the scope (owned by the workspace owner)",
             "latency_senders_are": "the owner (human) and agents, members of both scopes; no fanout subscribers",
             "percentiles": "nearest rank; per run, then the median over repeats",

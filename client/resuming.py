@@ -17,7 +17,7 @@ from typing import Any
 import trio
 import trio_websocket
 
-from client.trio_client import ClientError, Connection, connect
+from client.trio_client import Connection, connect
 
 log = logging.getLogger("scopewire.client")
 
@@ -36,6 +36,7 @@ class ResumingClient:
         self.workspace_feed = False
         self.max_backoff = max_backoff
         self.connection: Connection | None = None
+        self._connected = trio.Event()
         self.reconnects = 0
         self.identity: dict = {}
 
@@ -46,15 +47,36 @@ class ResumingClient:
         self.workspace_feed = True
         self.global_cursor = after_global_seq
 
-    async def call(self, op: str, **fields: Any) -> Any:
-        if self.connection is None:
-            raise ClientError("unavailable", "not connected")
-        if self.workspace_id is not None and "workspace_id" not in fields:
-            fields["workspace_id"] = self.workspace_id
-        return await self.connection.call(op, **fields)
+    async def call(self, op: str, *, retry: bool = True, **fields: Any) -> Any:
+        """A request on the current connection.  With `retry` (for idempotent
+        requests), a connection lost meanwhile is waited out and the request
+        sent again on the next one."""
+        while True:
+            await self._connected.wait()
+            connection = self.connection
+            if self.workspace_id is not None and "workspace_id" not in fields:
+                fields["workspace_id"] = self.workspace_id
+            try:
+                return await connection.call(op, **fields)
+            except RETRYABLE:
+                if not retry:
+                    raise
+                if self.connection is connection:  # not replaced yet: wait for the next session
+                    self._connected = trio.Event()
 
-    async def events(self) -> AsyncIterator[dict]:
-        """Every event, in order, across reconnects; runs until cancelled."""
+    @contextlib.asynccontextmanager
+    async def running(self, buffer: int = 1000) -> AsyncIterator[trio.MemoryReceiveChannel]:
+        """`async with client.running() as events: async for event in events: ...` —
+        every event, in order, across reconnects, until the block exits."""
+        send, receive = trio.open_memory_channel[dict](buffer)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._pump, send)
+            try:
+                yield receive
+            finally:
+                nursery.cancel_scope.cancel()
+
+    async def _pump(self, events: trio.MemorySendChannel) -> None:
         backoff = 0.1
         while True:
             try:
@@ -63,9 +85,11 @@ class ResumingClient:
                     while True:
                         event = await connection.next_event()
                         if self._is_new(event):
-                            yield event
+                            await events.send(event)
             except RETRYABLE as exc:
                 self.connection = None
+                if self._connected.is_set():
+                    self._connected = trio.Event()
                 self.reconnects += 1
                 log.info("connection lost (%s); reconnecting in %.1fs", type(exc).__name__, backoff)
                 await trio.sleep(backoff)
@@ -84,6 +108,7 @@ class ResumingClient:
             if self.workspace_id is None:
                 self.workspace_id = self.identity.get("workspace_id")
             self.connection = connection
+            self._connected.set()
             if self.scope_cursors or self.workspace_feed:
                 fields: dict[str, Any] = {
                     "scopes": [{"scope_id": s, "after_seq": c} for s, c in self.scope_cursors.items()],
@@ -91,7 +116,7 @@ class ResumingClient:
                 if self.workspace_feed:
                     fields["workspace_feed"] = True
                     fields["after_global_seq"] = self.global_cursor
-                result = await self.call("subscribe", **fields)
+                result = await connection.call("subscribe", workspace_id=self.workspace_id, **fields)
                 # Live-from-now subscriptions learn their starting cursor from the reply.
                 for scope in result["scopes"]:
                     if self.scope_cursors.get(scope["id"]) is None:

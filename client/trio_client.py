@@ -106,10 +106,16 @@ class Connection:
 
 @contextlib.asynccontextmanager
 async def connect(url: str) -> AsyncIterator[Connection]:
-    async with trio_websocket.open_websocket_url(url) as ws, trio.open_nursery() as nursery:
-        connection = Connection(ws)
-        nursery.start_soon(connection._read)
-        try:
-            yield connection
-        finally:
-            nursery.cancel_scope.cancel()
+    try:
+        async with trio_websocket.open_websocket_url(url) as ws, trio.open_nursery() as nursery:
+            connection = Connection(ws)
+            nursery.start_soon(connection._read)
+            try:
+                yield connection
+            finally:
+                nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        # The reader's nursery wraps the caller's own exception; hand it back as raised.
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise

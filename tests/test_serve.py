@@ -41,11 +41,11 @@ class Served:
         return f"ws://127.0.0.1:{self.port}"
 
 
-async def start_serve(data_dir: Path, *extra: str) -> Served:
+async def start_serve(data_dir: Path, *extra: str, port: int = 0) -> Served:
     stderr_path = data_dir.parent / f"{data_dir.name}.stderr"
     stderr = open(stderr_path, "ab")
     process = await trio.lowlevel.open_process(
-        [*SCOPEWIRE, "serve", "--data-dir", str(data_dir), "--port", "0", *extra],
+        [*SCOPEWIRE, "serve", "--data-dir", str(data_dir), "--port", str(port), *extra],
         stdout=subprocess.PIPE, stderr=stderr, cwd=PROJECT_ROOT,
     )
     stderr.close()

@@ -1,0 +1,121 @@
+"""The client SDK and the example agent daemon against real servers."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+
+import trio
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from client import connect
+from client.resuming import ResumingClient
+from server.app import Server
+from server.auth import Authenticator
+from server.credentials import SessionSigner
+from tests.conftest import App
+from tests.test_messaging import open_channel
+from tests.test_serve import PROJECT_ROOT, data_dir, run_cli, start_serve, stop_serve  # noqa: F401
+from tests.test_tenancy import signed_in
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+async def test_resuming_client_survives_a_server_restart(app: App, tenants, nursery, server_config):
+    alpha, _ = tenants
+    ws = {"workspace_id": alpha.workspace_id}
+    async with await signed_in(app, alpha.owner) as owner:
+        channel = await open_channel(owner, alpha.workspace_id, "durable")
+    port = free_port()
+    signer = SessionSigner(Ed25519PrivateKey.generate())
+
+    async def serve_once(task_status=trio.TASK_STATUS_IGNORED):
+        config = type(server_config)(**{**server_config.__dict__, "port": port})
+        server = Server(config, app.db, Authenticator(app.db, signer, 3600))
+        with trio.CancelScope() as scope:
+            async with trio.open_nursery() as inner:
+                await inner.start(server.run)
+                task_status.started(scope)
+
+    first = await nursery.start(serve_once)
+    url = f"ws://127.0.0.1:{port}"
+    client = ResumingClient(url, email=alpha.owner.email, password=alpha.owner.password, workspace_id=alpha.workspace_id)
+    client.follow(channel["id"], after_seq=0)
+    seen: list[int] = []
+
+    async def consume():
+        async with client.running() as events:
+            async for event in events:
+                if event["event"] == "message.created":
+                    seen.append(event["seq"])
+                    if len(seen) == 20:
+                        return
+
+    async def send(n_from, n_to):
+        async with connect(url) as conn:
+            await conn.login(alpha.owner.email, alpha.owner.password)
+            for i in range(n_from, n_to):
+                await conn.call("message.send", scope_id=channel["id"], content=str(i), **ws)
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as inner:
+            inner.start_soon(consume)
+            await send(0, 10)
+            while len(seen) < 10:
+                await trio.sleep(0.01)  # polling the consumer's progress, bounded by fail_after
+            first.cancel()  # the server goes away (connections closed with 1001)
+            await nursery.start(serve_once)  # and comes back on the same port
+            await send(10, 20)
+    assert seen == list(range(1, 21))
+    assert client.reconnects >= 1
+
+
+async def test_agent_daemon_example_survives_a_server_restart(data_dir):  # noqa: F811
+    port = free_port()
+    init = json.loads(run_cli("init", "--data-dir", str(data_dir), "--email", "o@example.com", "--name", "O",
+                              "--workspace-name", "W", "--workspace-slug", "w").stdout)
+    agent = json.loads(run_cli("member", "create-agent", "--data-dir", str(data_dir), "--workspace", "w",
+                               "--owner", "o@example.com", "--handle", "daemon", "--name", "Daemon").stdout)
+    key = json.loads(run_cli("apikey", "create", "--data-dir", str(data_dir), "--workspace", "w",
+                             "--member", "daemon").stdout)
+    served = await start_serve(data_dir, port=port)
+    url = f"ws://127.0.0.1:{port}"
+    state_file = data_dir / "daemon.cursor"
+    state_file.write_text("0")  # from the beginning, so nothing sent before it connects is missed
+    daemon_log = open(data_dir.parent / f"{data_dir.name}.daemon.log", "wb")
+    daemon = await trio.lowlevel.open_process(
+        [sys.executable, "examples/agent_daemon.py", "--url", url, "--api-key", key["key"], "--limit", "6",
+         "--state-file", str(state_file)], stdout=subprocess.PIPE, stderr=daemon_log, cwd=PROJECT_ROOT)
+
+    async with connect(url) as owner:
+        await owner.login("o@example.com", init["password"])
+        channel = await owner.call("channel.create", slug="ops", display_name="Ops", member_ids=[agent["member_id"]])
+        for i in range(3):
+            await owner.call("message.send", scope_id=channel["id"], content=f"@daemon task {i}")
+        await owner.call("message.send", scope_id=channel["id"], content="not for the daemon")
+    output = b""
+    with trio.fail_after(30):
+        while output.count(b"\n") < 3:
+            output += await daemon.stdout.receive_some(65536)
+    assert await stop_serve(served) == 0
+    served = await start_serve(data_dir, port=port)
+    async with connect(url) as owner:
+        await owner.login("o@example.com", init["password"])
+        for i in range(3, 6):
+            await owner.call("message.send", scope_id=channel["id"], content=f"@daemon task {i}")
+    with trio.fail_after(60):
+        while True:
+            chunk = await daemon.stdout.receive_some(65536)
+            if not chunk:
+                break
+            output += chunk
+        assert await daemon.wait() == 0
+    lines = [json.loads(line) for line in output.decode().splitlines()]
+    assert [line["content"] for line in lines] == [f"@daemon task {i}" for i in range(6)]
+    assert await stop_serve(served) == 0
