@@ -730,7 +730,11 @@ class Worker:
 
     async def read(self) -> None:
         while True:
-            line = await self.proc.stdout.readline()
+            try:
+                line = await self.proc.stdout.readline()
+            except (ValueError, asyncio.LimitOverrunError) as exc:
+                await self.phases.put({"phase": "unreadable", "error": str(exc)})
+                return
             if not line:
                 await self.phases.put({"phase": "exit"})
                 return
@@ -822,7 +826,7 @@ async def one_run(side: str, subscribers: int, rate: float, fx: Fixture, args: a
                 sys.executable, str(Path(__file__).resolve()), "--role", "subscribers", "--url", url,
                 "--count", str(count), "--index", str(index), "--keys", ",".join(fx.subscriber_keys),
                 "--scope-id", fx.scope_id, "--max-seconds", str(args.timeout), cwd=ROOT,
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, limit=64 * 1024 * 1024,
                 stderr=open(fx.log_dir / f"{tag}-{side}-client{index}.log", "wb")))
             w = Worker(wp)
             w.reader = asyncio.create_task(w.read())

@@ -119,3 +119,55 @@ async def test_agent_daemon_example_survives_a_server_restart(data_dir):  # noqa
     lines = [json.loads(line) for line in output.decode().splitlines()]
     assert [line["content"] for line in lines] == [f"@daemon task {i}" for i in range(6)]
     assert await stop_serve(served) == 0
+
+
+async def test_asyncio_client(app: App, tenants):
+    import asyncio
+
+    from client.asyncio_client import connect as asyncio_connect
+
+    alpha, _ = tenants
+    ws = {"workspace_id": alpha.workspace_id}
+    async with await signed_in(app, alpha.owner) as owner:
+        channel = await open_channel(owner, alpha.workspace_id, "asyncio")
+
+        async def asyncio_side() -> list[int]:
+            async with asyncio_connect(app.url) as conn:
+                await conn.login(alpha.owner.email, alpha.owner.password)
+                await conn.call("subscribe", scopes=[{"scope_id": channel["id"], "after_seq": 0}], **ws)
+                sent = await conn.call("message.send", scope_id=channel["id"], content="from asyncio", **ws)
+                assert sent["seq"] == 1
+                try:
+                    await conn.call("message.send", scope_id="scp_zzzzzzzzzzzzzz", content="x", **ws)
+                except Exception as exc:  # typed error
+                    assert getattr(exc, "code", None) == "not_found"
+                return [(await asyncio.wait_for(conn.next_event(), 10))["seq"]]
+
+        assert await trio.to_thread.run_sync(asyncio.run, asyncio_side()) == [1]
+
+
+async def test_websocat_speaks_the_protocol(app: App, tenants):
+    """The README's websocat recipe: one JSON request per line in, one reply per line out."""
+    from pathlib import Path
+
+    alpha, _ = tenants
+    websocat = Path(sys.executable).parent / "websocat"
+    requests = [{"op": "ping", "id": "1"},
+                {"op": "login", "id": "2", "email": alpha.owner.email, "password": alpha.owner.password},
+                {"op": "workspace.list", "id": "3"}]
+    process = await trio.lowlevel.open_process([str(websocat), "--text", app.url], stdin=subprocess.PIPE,
+                                               stdout=subprocess.PIPE)
+    replies: dict[str, dict] = {}
+    buffered = b""
+    with trio.fail_after(30):
+        for request in requests:  # one at a time: login must finish before workspace.list
+            await process.stdin.send_all(json.dumps(request).encode() + b"\n")
+            while request["id"] not in replies:
+                buffered += await process.stdout.receive_some(65536)
+                *lines, buffered = buffered.split(b"\n")
+                replies.update((r["id"], r) for r in map(json.loads, lines) if r.get("id"))
+    process.kill()
+    await process.wait()
+    assert replies["1"]["data"]["protocol_version"] == 1
+    assert replies["2"]["data"]["account_id"] == alpha.owner.account_id
+    assert {w["slug"] for w in replies["3"]["data"]} == {"alpha"}
