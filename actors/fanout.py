@@ -27,6 +27,8 @@ class CommittedEvent:
     data: Any
     # Members entitled to it when narrower than the scope (None: the scope's roster).
     audience: frozenset[str] | None = None
+    # Wire frames of this event, built once per format by the first recipient.
+    frames: dict[bool, bytes] = field(default_factory=dict, compare=False, repr=False)
 
 
 @dataclass(eq=False)

@@ -929,6 +929,10 @@ async def one_run(side: str, subscribers: int, rate: float, fx: Fixture, args: a
         "deliveries_per_s": round(measured / span, 1) if span else 0.0,
         "in_window_deliveries_per_s": round(sum(r["in_window"] for r in reports) / args.duration, 1),
         "offered_deliveries_per_s": round(rate * n_sub, 1),
+        # Kept up = delivered (almost) everything at (almost) the offered rate; otherwise the
+        # latencies are those of a growing queue and deliveries/s is this side's capacity here.
+        "kept_up": bool(expected and measured >= 0.99 * expected and span
+                        and measured / span >= 0.95 * rate * n_sub),
         "first_delivery_after_t0_ms": round((first - t0) / 1e6, 2) if first else None,
         "last_delivery_after_t0_s": round(span, 3) if span else None,
         "latency_ms": {**hist_percentiles(hist, (50, 90, 99, 99.9)),
@@ -1125,6 +1129,7 @@ def summarize(runs: list[dict[str, Any]], configs: list[tuple[int, float]]) -> l
                     lambda r: r["cpu"]["server_cpu_s"] / r["deliveries"] * 1e6 if r["deliveries"] else None),
                 "frame_bytes_mean": med(lambda r: r["frame_bytes_mean"]),
                 "slow_consumer_closes": med(lambda r: r["closes"].get("close 4408", 0)),
+                "kept_up_all": [r["kept_up"] for r in rs],
                 "closes_all": [r["closes"] for r in rs],
             }
         b, s = row["baseline"], row["scopewire"]
@@ -1132,6 +1137,9 @@ def summarize(runs: list[dict[str, Any]], configs: list[tuple[int, float]]) -> l
             row["ratio_deliveries"] = round(s["deliveries_per_s"] / b["deliveries_per_s"], 3)
             row["ratio_p50"] = round(s["p50_ms"] / b["p50_ms"], 2) if s["p50_ms"] and b["p50_ms"] else None
             row["ratio_p99"] = round(s["p99_ms"] / b["p99_ms"], 2) if s["p99_ms"] and b["p99_ms"] else None
+            row["ratio_server_cpu_per_delivery"] = (
+                round(s["server_cpu_us_per_delivery"] / b["server_cpu_us_per_delivery"], 2)
+                if s["server_cpu_us_per_delivery"] and b["server_cpu_us_per_delivery"] else None)
             row["ratio_per_repeat"] = [
                 round(x["deliveries_per_s"] / y["deliveries_per_s"], 3)
                 for x, y in zip([r for r in runs if r["side"] == "scopewire" and r["subscribers"] == subscribers
@@ -1141,6 +1149,7 @@ def summarize(runs: list[dict[str, Any]], configs: list[tuple[int, float]]) -> l
                 if y["deliveries_per_s"]]
         else:
             row["ratio_deliveries"] = row["ratio_p50"] = row["ratio_p99"] = None
+            row["ratio_server_cpu_per_delivery"] = None
         rows.append(row)
     return rows
 
@@ -1180,8 +1189,8 @@ def print_tables(rows: list[dict[str, Any]], runs: list[dict[str, Any]], args: a
     print()
     print(f"Fanout: one scope, SUBSCRIBERS connections in {args.client_procs} client processes, a fixed send rate "
           f"for {args.duration:g} s, {args.payload}-char content; medians of {args.repeats} run(s)")
-    header = (f"{'subs':>5} {'msg/s':>6} {'side':<9} {'deliv/s':>9} {'offered/s':>9} {'deliv%':>7} {'p50 ms':>8} "
-              f"{'p99 ms':>8} {'max ms':>8} {'srv CPU':>7} {'cli CPU':>7} {'other':>6} {'KiB/conn auth':>13} "
+    header = (f"{'subs':>5} {'msg/s':>6} {'side':<9} {'deliv/s':>9} {'offered/s':>9} {'deliv%':>7} {'p50 ms':>9} "
+              f"{'p99 ms':>9} {'srv CPU':>7} {'us/deliv':>8} {'cli CPU':>7} {'other':>6} {'KiB/conn auth':>13} "
               f"{'sub':>6} {'4408':>5}")
     print(header)
     print("-" * len(header))
@@ -1191,18 +1200,22 @@ def print_tables(rows: list[dict[str, Any]], runs: list[dict[str, Any]], args: a
             if s is None:
                 print(f"{row['subscribers']:>5} {row['rate']:>6g} {side:<9} (no successful run)")
                 continue
-            print(f"{row['subscribers']:>5} {row['rate']:>6g} {side:<9} {_f(s['deliveries_per_s']):>9} "
+            mark = "" if all(s["kept_up_all"]) else "*"
+            print(f"{row['subscribers']:>5} {row['rate']:>6g} {side:<9} {_f(s['deliveries_per_s']) + mark:>9} "
                   f"{_f(s['offered_deliveries_per_s']):>9} {_f(100 * (s['delivered_fraction'] or 0), '.1f'):>7} "
-                  f"{_f(s['p50_ms'], '.2f'):>8} {_f(s['p99_ms'], '.2f'):>8} {_f(s['max_ms'], '.1f'):>8} "
-                  f"{_f(s['server_busy'], '.2f'):>7} {_f(s['clients_busy'], '.2f'):>7} "
+                  f"{_f(s['p50_ms'], '.2f'):>9} {_f(s['p99_ms'], '.2f'):>9} "
+                  f"{_f(s['server_busy'], '.2f'):>7} {_f(s['server_cpu_us_per_delivery'], '.1f'):>8} "
+                  f"{_f(s['clients_busy'], '.2f'):>7} "
                   f"{_f(s['other_processes_busy'], '.2f'):>6} "
                   f"{_f(s['kib_per_conn_authenticated'], '.1f'):>13} {_f(s['kib_per_conn_subscribed'], '.1f'):>6} "
                   f"{_f(s['slow_consumer_closes'], '.0f'):>5}")
         print(f"{'':>5} {'':>6} {'ratio':<9} deliveries/s {_f(row['ratio_deliveries'], '.3f')}   "
-              f"p50 x{_f(row['ratio_p50'], '.2f')}   p99 x{_f(row['ratio_p99'], '.2f')}   (scopewire / baseline)")
+              f"p50 x{_f(row['ratio_p50'], '.2f')}   p99 x{_f(row['ratio_p99'], '.2f')}   "
+              f"server CPU per delivery x{_f(row['ratio_server_cpu_per_delivery'], '.2f')}   (scopewire / baseline)")
     print()
-    print("  deliv/s: measured deliveries / (last delivery - first send); deliv%: of acknowledged sends x "
-          "subscribers;")
+    print("  deliv/s: measured deliveries / (last delivery - first send); * = did not keep up with the offered rate")
+    print("    (then deliv/s is that side's capacity on this machine and the latencies are queueing delay);")
+    print("  deliv%: of acknowledged sends x subscribers; us/deliv: server-process CPU microseconds per delivery;")
     print("  CPU in cores busy over the window: srv = the server process only, cli = all client processes,")
     print("  other = processes that are not this benchmark's (competing for the same cores); "
           "4408: slow-consumer closes")
@@ -1219,11 +1232,12 @@ def print_tables(rows: list[dict[str, Any]], runs: list[dict[str, Any]], args: a
               f"ack p50 {_f(r['ack_latency_ms']['p50'], '.2f')} p99 {_f(r['ack_latency_ms']['p99'], '.2f')} ms  "
               f"sent {r['send']['sent']} acked {r['send']['acked']} (late {r['send']['sends_late_over_5ms']})  "
               f"frame {_f(r['frame_bytes_mean'], '.0f')} B")
-        print(f"  {'':>5}   {'':>6}{'':<9}         CPU busy: server {cpu['server_busy']} postgres/children "
-              f"{cpu['server_descendants_busy']} clients {cpu['clients_busy']} {cpu['per_client_busy']} sender "
-              f"{cpu['sender_busy']} other processes {cpu['foreign_busy']};  RSS MiB base {_f(r['rss_kib']['base'] / 1024, '.1f')} auth "
-              f"{_f(r['rss_kib']['authenticated'] / 1024, '.1f')} sub {_f(r['rss_kib']['subscribed'] / 1024, '.1f')}"
-              f" peak {_f(r['rss_kib']['peak'] / 1024, '.1f')};  closes {r['closes'] or '{}'}"
+        rss = {k: _f(v / 1024 if v is not None else None, ".1f") for k, v in r["rss_kib"].items()}
+        print(f"{'':>34}CPU busy: server {cpu['server_busy']} postgres/children {cpu['server_descendants_busy']} "
+              f"clients {cpu['clients_busy']} {cpu['per_client_busy']} sender {cpu['sender_busy']} "
+              f"other processes {cpu['foreign_busy']}")
+        print(f"{'':>34}RSS MiB base {rss['base']} auth {rss['authenticated']} sub {rss['subscribed']} "
+              f"peak {rss['peak']};  closes {r['closes'] or '{}'};  quiet wait {r['quiet']}"
               + (f";  ABORTED {r['aborted']}" if r.get("aborted") else ""))
     profiles = [r for r in runs if r.get("py_spy") and r["py_spy"].get("samples")]
     for r in profiles:

@@ -65,6 +65,18 @@ class Connection:
         payload = encode(frame, binary=self.binary)
         await self.ws.send_message(payload if self.binary else payload.decode())
 
+    async def send_frame(self, frame: bytes) -> None:
+        """Write a ready-made server frame (server/wire.py), shared by many
+        connections.  Frames stay whole: the library's own stream lock orders
+        this against its other writes (hence its private attributes)."""
+        if self.ws.closed is not None:
+            raise trio_websocket.ConnectionClosed(self.ws.closed)
+        async with self.ws._stream_lock:
+            try:
+                await self.ws._stream.send_all(frame)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                raise trio_websocket.ConnectionClosed(self.ws.closed) from None
+
     async def close(self, code: int, reason: str) -> None:
         self.closing = True
         await self.ws.aclose(code, reason)

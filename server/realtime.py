@@ -26,9 +26,11 @@ import trio_websocket
 from actors.fanout import CommittedEvent, Subscription
 from actors.plan import CommittedMessage
 from protocol import frames as f
+from protocol.codec import encode
 from protocol.errors import ErrorCode, ProtocolError
 from server.messaging import TokenBucket, _scope, message_info, scope_info
 from server.rbac import Permission
+from server.wire import server_frame
 from storage import messages
 
 if TYPE_CHECKING:
@@ -93,32 +95,43 @@ class Pusher:
         with trio.fail_after(self.server.config.push_timeout_seconds):
             await self.connection.send(frame)
 
+    async def _push_shared(self, event: CommittedEvent) -> None:
+        """The live fast path: the event's frame is encoded and framed once for
+        all recipients using this wire format."""
+        binary = self.connection.binary
+        frame = event.frames.get(binary)
+        if frame is None:
+            frame = event.frames[binary] = server_frame(encode(_event_frame(event), binary=binary), binary=binary)
+        with trio.fail_after(self.server.config.push_timeout_seconds):
+            await self.connection.send_frame(frame)
+
     async def _handle(self, event: CommittedEvent) -> None:
         if event.event == CATCH_UP:
             await self._catch_up()
             return
         if event.seq is None or event.event != "message.created":
-            data = _message_data(event.data, event.event) if event.event.startswith("message.") else event.data
-            await self._push(f.Event(event=event.event, workspace_id=event.workspace_id, scope_id=event.scope_id,
-                                     data=data, seq=event.seq, global_seq=event.global_seq))
+            await self._push_shared(event)
             return
-        await self._deliver_message(event.data, event.event)
+        await self._deliver_message(event)
 
-    async def _deliver_message(self, message: CommittedMessage, kind: str) -> None:
+    async def _deliver_message(self, event: CommittedEvent) -> None:
         """Send one live message event through the cursors: fill a gap from the
         database first, drop what was already sent.  Followed scopes go by their
         seq cursor; everything else on the workspace feed by the global cursor."""
         state = self.state
+        message: CommittedMessage = event.data
         if message.scope_id in state.scope_cursors:
             if message.seq > state.scope_cursors[message.scope_id] + 1:
                 await self._fill_scope(message.scope_id, message.seq - 1)
             if message.seq > state.scope_cursors[message.scope_id]:
-                await self._send_message(message, kind)
+                await self._push_shared(event)
+                state.scope_cursors[message.scope_id] = message.seq
         elif state.global_cursor is not None:
             if message.workspace_global_seq > state.global_cursor + 1:
                 await self._fill_workspace(message.workspace_global_seq - 1)
             if message.workspace_global_seq > state.global_cursor:
-                await self._send_message(message, kind)
+                await self._push_shared(event)
+                state.global_cursor = message.workspace_global_seq
 
     async def _send_message(self, message, kind: str = "message.created") -> None:
         get = (lambda k: getattr(message, k)) if isinstance(message, CommittedMessage) else message.__getitem__
@@ -166,6 +179,12 @@ class Pusher:
                     await self._send_message(_with_workspace(row, self.state.workspace_id))
             if len(rows) < BACKFILL_PAGE:
                 return
+
+
+def _event_frame(event: CommittedEvent) -> f.Event:
+    data = _message_data(event.data, event.event) if event.event.startswith("message.") else event.data
+    return f.Event(event=event.event, workspace_id=event.workspace_id, scope_id=event.scope_id, data=data,
+                   seq=event.seq, global_seq=event.global_seq)
 
 
 def _with_workspace(row, workspace_id: str) -> dict:
