@@ -18,7 +18,8 @@ For each configuration SUBSCRIBERS:RATE (default 1000:500 and 5000:100) and each
 the same subscriber client processes connect (--client-procs processes, each a small
 epoll loop over raw sockets speaking just enough RFC 6455: handshake, masked client
 frames, unmasked server frames, pong), the same sender offers the same open-loop rate
-for --duration seconds (after --warmup seconds that are not counted) with a --payload
+for --duration seconds (after --warmup messages, delivered before the window and not
+counted) with a --payload
 character content that embeds the send time (time.time_ns(); one machine, one clock).
 
 Measured per run:
@@ -309,7 +310,6 @@ def run_subscribers(args: argparse.Namespace) -> int:
     phase_auth_reported = False
     phase_sub_reported = False
     subscribing = False
-    measuring = False
     last_progress = 0.0
     cpu0 = None
     deadline = started + args.max_seconds
@@ -360,9 +360,9 @@ def run_subscribers(args: argparse.Namespace) -> int:
             phase_sub_reported = True
             _emit({"phase": "subscribed", "subscribed": sum(c.state == "subscribed" for c in conns.values()),
                    "errors": dict(errors)})
-        if measuring and now_m - last_progress >= 0.25:
+        if phase_sub_reported and now_m - last_progress >= 0.25:
             last_progress = now_m
-            _emit({"p": measured})
+            _emit({"p": measured, "w": other_deliveries})
         events = ep.poll(0.25)
         quit_now = False
         for fd, _ in events:
@@ -391,7 +391,6 @@ def run_subscribers(args: argparse.Namespace) -> int:
                                     c.state = "failed"
                     elif words[0] == "measure":
                         t0, t1 = int(words[1]), int(words[2])
-                        measuring = True
                         cpu0 = os.times()
                     elif words[0] in ("report", "quit"):
                         quit_now = True
@@ -640,8 +639,8 @@ class Sender:
         self.acked = 0
         self.errors: collections.Counter[str] = collections.Counter()
         self.ack_hist: dict[int, int] = {}
-        self.sample_frame: str | None = None
         self.counter = 0
+        self._base = (0, 0)
 
     async def open(self) -> None:
         from websockets.asyncio.client import connect
@@ -694,12 +693,19 @@ class Sender:
             self.pending[rid] = ts
             await self.ws[i % self.n].send(frame)
         send_s = time.perf_counter() - begin
-        deadline = time.monotonic() + 60
-        while self.acked + sum(self.errors.values()) - acked0 - errors0 < total and time.monotonic() < deadline:
+        self._base = (acked0, errors0)
+        return {"sent": total, "send_s": round(send_s, 3),
+                "achieved_rate": round(total / send_s, 1) if send_s else None, "sends_late_over_5ms": late}
+
+    def answered(self) -> tuple[int, int]:
+        """(acknowledged, refused) since the last run() started."""
+        return self.acked - self._base[0], sum(self.errors.values()) - self._base[1]
+
+    async def wait_answers(self, total: int, timeout: float) -> tuple[int, int]:
+        deadline = time.monotonic() + timeout
+        while sum(self.answered()) < total and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        return {"sent": total, "acked": self.acked - acked0, "errors": sum(self.errors.values()) - errors0,
-                "send_s": round(send_s, 3), "achieved_rate": round(total / send_s, 1) if send_s else None,
-                "sends_late_over_5ms": late}
+        return self.answered()
 
     async def close(self) -> None:
         for ws in self.ws:
@@ -724,7 +730,8 @@ class Fixture:
 @dataclass
 class Worker:
     proc: asyncio.subprocess.Process
-    progress: int = 0
+    progress: int = 0  # measured deliveries so far
+    warm: int = 0      # deliveries of earlier (warmup) messages so far
     phases: asyncio.Queue = field(default_factory=asyncio.Queue)
     reader: asyncio.Task | None = None
 
@@ -744,6 +751,7 @@ class Worker:
                 continue
             if "p" in msg:
                 self.progress = msg["p"]
+                self.warm = msg["w"]
             else:
                 await self.phases.put(msg)
 
@@ -857,8 +865,16 @@ async def one_run(side: str, subscribers: int, rate: float, fx: Fixture, args: a
         # ---- warmup (not measured: its content carries a timestamp before T0)
         run["stage"] = "warmup"
         if args.warmup > 0:
-            run["warmup"] = await sender.run(rate, args.warmup)
-            await asyncio.sleep(1.0)
+            warm_rate = min(rate, 100.0)
+            run["warmup"] = await sender.run(warm_rate, args.warmup / warm_rate)
+            acked, refused = await sender.wait_answers(args.warmup, 60)
+            run["warmup"].update({"acked": acked, "refused": refused})
+            t_warm = time.monotonic()
+            while sum(w.warm for w in workers) < acked * n_sub and time.monotonic() - t_warm < 120:
+                await asyncio.sleep(0.1)
+            run["warmup"]["delivered"] = sum(w.warm for w in workers)
+            run["warmup"]["drain_s"] = round(time.monotonic() - t_warm, 2)
+            await asyncio.sleep(0.5)
 
         # ---- measured window
         t0 = time.time_ns() + 300_000_000
@@ -875,17 +891,16 @@ async def one_run(side: str, subscribers: int, rate: float, fx: Fixture, args: a
         run["stage"] = "measured sends"
         send = await sender.run(rate, args.duration, start_ns=t0)
         run["send"] = send
-        run["send_errors"] = dict(sender.errors)
-        run["ack_latency_ms"] = hist_percentiles(sender.ack_hist, (50, 99))
 
-        # ---- drain: until every acknowledged send reached every subscriber, or no progress
+        # ---- drain: until every send that was not refused reached every subscriber, or no
+        # progress for --stall s, or --drain-timeout
         run["stage"] = "drain"
-        expected = send["acked"] * n_sub
         t_drain = time.monotonic()
         last_total, last_change = -1, time.monotonic()
         while True:
             await asyncio.sleep(0.25)
             total = sum(w.progress for w in workers)
+            expected = (send["sent"] - sender.answered()[1]) * n_sub
             if total != last_total:
                 last_total, last_change = total, time.monotonic()
             if total >= expected or peak["aborted"]:
@@ -895,6 +910,11 @@ async def one_run(side: str, subscribers: int, rate: float, fx: Fixture, args: a
         wall = time.perf_counter() - wall0
         cpu1 = _cpu_snapshot(pid, worker_pids)
         run["drain_s"] = round(time.monotonic() - t_drain, 2)
+        acked, refused = await sender.wait_answers(send["sent"], 5)
+        send.update({"acked": acked, "refused": refused, "unanswered": send["sent"] - acked - refused})
+        run["send_errors"] = dict(sender.errors)
+        run["ack_latency_ms"] = hist_percentiles(sender.ack_hist, (50, 99))
+        expected = (send["sent"] - refused) * n_sub
         if spy is not None:
             run["py_spy"] = await _finish_py_spy(*spy)
 
@@ -1230,7 +1250,8 @@ def print_tables(rows: list[dict[str, Any]], runs: list[dict[str, Any]], args: a
               f"{_f(r['deliveries_per_s'])} deliv/s  in-window {_f(r['in_window_deliveries_per_s'])}/s  "
               f"p50 {_f(r['latency_ms']['p50'], '.2f')} p99 {_f(r['latency_ms']['p99'], '.2f')} ms  "
               f"ack p50 {_f(r['ack_latency_ms']['p50'], '.2f')} p99 {_f(r['ack_latency_ms']['p99'], '.2f')} ms  "
-              f"sent {r['send']['sent']} acked {r['send']['acked']} (late {r['send']['sends_late_over_5ms']})  "
+              f"sent {r['send']['sent']} at {r['send']['achieved_rate']}/s, acked {r['send']['acked']}, refused "
+              f"{r['send']['refused']}, unanswered {r['send']['unanswered']}  "
               f"frame {_f(r['frame_bytes_mean'], '.0f')} B")
         rss = {k: _f(v / 1024 if v is not None else None, ".1f") for k, v in r["rss_kib"].items()}
         print(f"{'':>34}CPU busy: server {cpu['server_busy']} postgres/children {cpu['server_descendants_busy']} "
@@ -1295,8 +1316,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--configs", default=None,
                    help="comma list of SUBSCRIBERS:RATE (default 1000:500,5000:100; --quick 200:200)")
     p.add_argument("--duration", type=float, default=None, help="measured seconds of sending (default 10; quick 3)")
-    p.add_argument("--warmup", type=float, default=None, help="unmeasured seconds of sending first (default 2; "
-                                                             "quick 0.5)")
+    p.add_argument("--warmup", type=int, default=50,
+                   help="messages sent (at most 100/s) and delivered before the window (default 50)")
     p.add_argument("--repeats", type=int, default=1, help="runs per configuration and side (default 1)")
     p.add_argument("--payload", type=int, default=200, help="message content characters (default 200)")
     p.add_argument("--client-procs", type=int, default=4, help="subscriber client processes (default 4)")
@@ -1338,8 +1359,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.configs = "200:200" if args.quick else "1000:500,5000:100"
     if args.duration is None:
         args.duration = 3.0 if args.quick else 10.0
-    if args.warmup is None:
-        args.warmup = 0.5 if args.quick else 2.0
     try:
         args.configs = [(int(a), float(b)) for a, b in (c.split(":") for c in args.configs.split(",") if c)]
     except ValueError:
@@ -1442,7 +1461,7 @@ def main(argv: list[str] | None = None) -> int:
             "machine": machine,
             "parameters": {
                 "configs": [{"subscribers": s, "rate": r} for s, r in args.configs],
-                "duration_s": args.duration, "warmup_s": args.warmup, "repeats": args.repeats,
+                "duration_s": args.duration, "warmup_messages": args.warmup, "repeats": args.repeats,
                 "payload_chars": args.payload, "client_procs": args.client_procs,
                 "sender_conns": args.sender_conns, "subscriber_api_keys": args.api_keys, "settle_s": args.settle,
                 "stall_s": args.stall, "drain_timeout_s": args.drain_timeout, "sides": args.sides,

@@ -27,9 +27,11 @@ amortization, so the targets are evaluated on the durable cluster):
                the ratios large/small.  Target: both ratios <= 1.2.
                (No fanout subscribers are connected: this measures the write path.)
 
-Every run has its own database (cloned from a VACUUM ANALYZEd template holding the fixture,
-then CHECKPOINT), trio.run, Database (PoolSettings min=max=--pool-size, same for both sides)
-and ScopeRegistry; pool opening and warmup are never timed.  Each measurement is
+Every run has its own database (cloned from a VACUUM ANALYZEd template holding the fixture:
+the workspace from init_instance, 10,000 agent members, the two latency scopes and --history
+100,000 earlier messages in another scope; then CHECKPOINT), trio.run, Database
+(PoolSettings min=max=--pool-size, same for both sides) and ScopeRegistry; pool opening and
+warmup are never timed.  Each measurement is
 repeated --repeats times (default 3), order alternating; medians are reported alongside
 every raw number.  Clusters are provisioned with storage/cluster.py (bundled binaries) from
 the main thread before any event loop runs, and removed afterwards; --database-url uses an
@@ -385,7 +387,7 @@ async def _write_history(db: Database, workspace_id: str, owner: str, generation
         plans = [plan_message(MessageIntent(scope_id=scope_id, content=content), actor, scope, {}, None)
                  for _ in range(count)]
         committed = await applier.insert_messages(conn, workspace_id, scope_id, plans)
-        await applier.settle_inline_delivered(conn, [m.id for m in committed])
+        await applier.settle_inline_delivered(conn, scope_id, [m.id for m in committed])
 
     for start in range(0, args.history, batch):
         await db.transaction(unit, min(batch, args.history - start))

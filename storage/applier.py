@@ -477,12 +477,14 @@ async def settle_delivered(conn: asyncpg.Connection, outbox_ids: list[str]) -> N
     )
 
 
-async def settle_inline_delivered(conn: asyncpg.Connection, message_ids: list[str]) -> None:
-    """The inline owner delivered these messages' message.created events."""
+async def settle_inline_delivered(conn: asyncpg.Connection, scope_id: str, message_ids: list[str]) -> None:
+    """The inline owner delivered these messages' message.created events.
+    (scope_id, message_id) keeps the plan on the message index whatever the statistics say."""
     await conn.execute(
         "UPDATE scope_fanout_outbox SET status = 'delivered', delivered_at = now(), attempts = attempts + 1 "
-        "WHERE message_id = ANY($1::text[]) AND fanout_type = 'message.created' AND status = 'pending'",
-        message_ids,
+        "WHERE scope_id = $1 AND message_id = ANY($2::text[]) AND fanout_type = 'message.created' "
+        "AND status = 'pending'",
+        scope_id, message_ids,
     )
 
 

@@ -371,7 +371,6 @@ scopes = Table(
         # One thread per root message.
         Index("scopes_thread_root_key", "parent_scope_id, root_message_id", unique=True,
               where="parent_scope_id IS NOT NULL"),
-        Index("scopes_inbox_idx", "workspace_id, latest_message_at"),
         Index("scopes_workspace_type_idx", "workspace_id, type, status"),
     ),
 )

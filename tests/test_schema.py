@@ -43,7 +43,7 @@ async def test_bootstrap_of_empty_database_then_idempotent(empty_database_dsn: s
         ("ALTER TABLE members ALTER COLUMN handle TYPE varchar(80)", "column members.handle differs"),
         ("ALTER TABLE members ADD COLUMN nickname text", "unexpected column members.nickname"),
         ("ALTER TABLE members DROP CONSTRAINT members_handle_form", "missing constraint members.members_handle_form"),
-        ("DROP INDEX scopes_inbox_idx", "missing index scopes.scopes_inbox_idx"),
+        ("DROP INDEX scopes_workspace_type_idx", "missing index scopes.scopes_workspace_type_idx"),
         ("CREATE INDEX extra_idx ON scope_messages (created_at)", "unexpected index scope_messages.extra_idx"),
         ("ALTER TABLE scope_messages DROP CONSTRAINT scope_messages_scope_seq_key",
          "missing constraint scope_messages.scope_messages_scope_seq_key"),

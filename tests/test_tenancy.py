@@ -172,7 +172,7 @@ async def test_interleaved_owner_demotions_serialize_on_the_workspace_lock(app: 
         target = await tenancy.lock_membership_target(conn, alpha.workspace_id, second.member_id)
         await tenancy.set_role(conn, alpha.workspace_id, target, "admin")
         shared["a_ready"].set()
-        for _ in range(500):  # bounded: until B waits on a lock or has finished
+        for _ in range(3000):  # bounded (30 s): until B waits on a lock or has finished
             waiting = await conn.fetchval("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
                                           "AND datname = current_database()")
             if waiting or shared["b_done"].is_set():
