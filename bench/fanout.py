@@ -556,6 +556,57 @@ def run_baseline_server(args: argparse.Namespace) -> int:
     return 0
 
 
+# ============================================================================ scopewire under GC accounting
+
+def run_scopewire_gc_stats(args: argparse.Namespace, rest: list[str]) -> int:
+    """`python -m server.cli <rest>` in this process, with gc.callbacks timing every
+    collection; the running totals are rewritten to --gc-stats-file every 0.2 s.  Nothing of
+    the server changes; the callbacks cost a few microseconds per collection."""
+    import gc
+    import runpy
+    import threading
+
+    totals = {"collections": [0, 0, 0], "seconds": [0.0, 0.0, 0.0], "collected": 0, "cpu_s": 0.0}
+    started = [0.0]
+
+    def callback(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            generation = info["generation"]
+            totals["collections"][generation] += 1
+            totals["seconds"][generation] += time.perf_counter() - started[0]
+            totals["collected"] += info["collected"]
+
+    out = Path(args.gc_stats_file)
+
+    def writer() -> None:
+        while True:
+            totals["cpu_s"] = time.process_time()
+            tmp = out.with_suffix(".tmp")
+            tmp.write_text(json.dumps(totals))
+            tmp.replace(out)
+            time.sleep(0.2)
+
+    gc.callbacks.append(callback)
+    threading.Thread(target=writer, name="gc-stats", daemon=True).start()
+    sys.argv = ["server.cli", *rest]
+    os.chdir(ROOT)
+    try:
+        runpy.run_module("server.cli", run_name="__main__", alter_sys=True)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    return 0
+
+
+def read_gc_stats(path: Path | None) -> dict[str, Any] | None:
+    if path is None:
+        return None
+    with contextlib.suppress(OSError, ValueError):
+        return json.loads(path.read_text())
+    return None
+
+
 # ============================================================================ parent: processes
 
 class Procs:
@@ -771,9 +822,14 @@ async def start_server(side: str, fx: Fixture, args: argparse.Namespace, procs: 
     log = open(fx.log_dir / f"{tag}-{side}.log", "wb")
     try:
         if side == "scopewire":
+            serve = ["serve", "--data-dir", str(fx.data_dir), "--port", "0", "--log-level", args.log_level]
+            if args.gc_stats:
+                launcher = [str(Path(__file__).resolve()), "--role", "scopewire-gc-stats",
+                            "--gc-stats-file", str(fx.log_dir / f"{tag}-gc-stats.json"), "--"]
+            else:
+                launcher = ["-m", "server.cli"]
             proc = procs.add(await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "server.cli", "serve", "--data-dir", str(fx.data_dir), "--port", "0",
-                "--log-level", args.log_level, cwd=ROOT, stdout=subprocess.PIPE, stderr=log))
+                sys.executable, *launcher, *serve, cwd=ROOT, stdout=subprocess.PIPE, stderr=log))
             url = await _read_ready(proc, "scopewire ready on", 180)
         else:
             proc = procs.add(await asyncio.create_subprocess_exec(
@@ -883,6 +939,8 @@ async def one_run(side: str, subscribers: int, rate: float, fx: Fixture, args: a
             await w.command(f"measure {t0} {t1}")
         worker_pids = [w.proc.pid for w in workers]
         await asyncio.sleep(max(0.0, (t0 - time.time_ns()) / 1e9 - 0.05))
+        gc_file = fx.log_dir / f"{tag}-gc-stats.json" if args.gc_stats and side == "scopewire" else None
+        gc0 = read_gc_stats(gc_file)
         cpu0 = _cpu_snapshot(pid, worker_pids)
         wall0 = time.perf_counter()
         spy = None
@@ -909,6 +967,15 @@ async def one_run(side: str, subscribers: int, rate: float, fx: Fixture, args: a
                 break
         wall = time.perf_counter() - wall0
         cpu1 = _cpu_snapshot(pid, worker_pids)
+        gc1 = read_gc_stats(gc_file)
+        if gc0 and gc1:
+            run["gc"] = {
+                "collections": [b - a for a, b in zip(gc0["collections"], gc1["collections"])],
+                "seconds": [round(b - a, 3) for a, b in zip(gc0["seconds"], gc1["seconds"])],
+                "gc_share_of_process_cpu": round(
+                    (sum(gc1["seconds"]) - sum(gc0["seconds"])) / (gc1["cpu_s"] - gc0["cpu_s"]), 3)
+                if gc1["cpu_s"] > gc0["cpu_s"] else None,
+            }
         run["drain_s"] = round(time.monotonic() - t_drain, 2)
         acked, refused = await sender.wait_answers(send["sent"], 5)
         send.update({"acked": acked, "refused": refused, "unanswered": send["sent"] - acked - refused})
@@ -1257,6 +1324,10 @@ def print_tables(rows: list[dict[str, Any]], runs: list[dict[str, Any]], args: a
         print(f"{'':>34}CPU busy: server {cpu['server_busy']} postgres/children {cpu['server_descendants_busy']} "
               f"clients {cpu['clients_busy']} {cpu['per_client_busy']} sender {cpu['sender_busy']} "
               f"other processes {cpu['foreign_busy']}")
+        if r.get("gc"):
+            print(f"{'':>34}scopewire GC over the window: collections per generation {r['gc']['collections']}, "
+                  f"seconds {r['gc']['seconds']}, {100 * (r['gc']['gc_share_of_process_cpu'] or 0):.1f}% of "
+                  "the server's CPU time")
         print(f"{'':>34}RSS MiB base {rss['base']} auth {rss['authenticated']} sub {rss['subscribed']} "
               f"peak {rss['peak']};  closes {r['closes'] or '{}'};  quiet wait {r['quiet']}"
               + (f";  ABORTED {r['aborted']}" if r.get("aborted") else ""))
@@ -1339,13 +1410,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-level", default="warning", help="scopewire serve --log-level (default warning)")
     p.add_argument("--py-spy", action="store_true",
                    help="profile the scopewire server over each measured window (py-spy, non-blocking)")
+    p.add_argument("--gc-stats", action="store_true",
+                   help="run scopewire under gc.callbacks timing (reports its garbage-collection share)")
     p.add_argument("--timeout", type=float, default=3600.0, help="bound on the whole benchmark (seconds)")
     p.add_argument("--keep", action="store_true", help="keep the scratch dir (data dir, logs)")
     p.add_argument("--quick", action="store_true", help="small smoke run")
     p.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help=f"JSON output (default {DEFAULT_OUTPUT})")
     # internal roles
-    p.add_argument("--role", choices=("main", "subscribers", "baseline-server"), default="main",
-                   help=argparse.SUPPRESS)
+    p.add_argument("--role", choices=("main", "subscribers", "baseline-server", "scopewire-gc-stats"),
+                   default="main", help=argparse.SUPPRESS)
+    p.add_argument("--gc-stats-file", help=argparse.SUPPRESS)
     p.add_argument("--url", help=argparse.SUPPRESS)
     p.add_argument("--count", type=int, help=argparse.SUPPRESS)
     p.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
@@ -1410,6 +1484,11 @@ async def benchmark(args: argparse.Namespace, scratch: Path, procs: Procs) -> tu
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--" in argv:  # --role scopewire-gc-stats ... -- <server.cli arguments>
+        cut = argv.index("--")
+        args = parse_args(argv[:cut])
+        return run_scopewire_gc_stats(args, argv[cut + 1:])
     args = parse_args(argv)
     if args.role == "subscribers":
         return run_subscribers(args)

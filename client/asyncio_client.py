@@ -12,6 +12,7 @@ from typing import Any
 
 import websockets
 
+from client.cursors import Cursors
 from client.trio_client import EVENT_BUFFER, ClientError
 
 
@@ -77,3 +78,38 @@ async def connect(url: str) -> AsyncIterator[AsyncioConnection]:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reader
+
+
+class ResumingAsyncioClient:
+    """The asyncio twin of client.resuming.ResumingClient: reconnects with
+    backoff, re-authenticates, re-subscribes with its cursors."""
+
+    def __init__(self, url: str, *, api_key: str | None = None, email: str | None = None,
+                 password: str | None = None, workspace_id: str | None = None, max_backoff: float = 5.0) -> None:
+        self.url = url
+        self.api_key, self.email, self.password = api_key, email, password
+        self.workspace_id = workspace_id
+        self.cursors = Cursors()
+        self.max_backoff = max_backoff
+        self.reconnects = 0
+
+    async def events(self) -> AsyncIterator[dict]:
+        backoff = 0.1
+        while True:
+            try:
+                async with connect(self.url) as conn:
+                    identity = (await conn.auth(api_key=self.api_key) if self.api_key
+                                else await conn.login(self.email, self.password))
+                    self.workspace_id = self.workspace_id or identity.get("workspace_id")
+                    if self.cursors.scopes or self.cursors.workspace_feed:
+                        self.cursors.started(await conn.call("subscribe", workspace_id=self.workspace_id,
+                                                             **self.cursors.subscribe_fields()))
+                    backoff = 0.1
+                    while True:
+                        event = await conn.next_event()
+                        if self.cursors.accept(event):
+                            yield event
+            except (OSError, ConnectionError, websockets.WebSocketException):
+                self.reconnects += 1
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self.max_backoff)

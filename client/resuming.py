@@ -17,6 +17,7 @@ from typing import Any
 import trio
 import trio_websocket
 
+from client.cursors import Cursors
 from client.trio_client import Connection, connect
 
 log = logging.getLogger("scopewire.client")
@@ -31,9 +32,7 @@ class ResumingClient:
         self.url = url
         self._credential = {"api_key": api_key, "token": token, "email": email, "password": password}
         self.workspace_id = workspace_id
-        self.scope_cursors: dict[str, int | None] = {}
-        self.global_cursor: int | None = None
-        self.workspace_feed = False
+        self.cursors = Cursors()
         self.max_backoff = max_backoff
         self.connection: Connection | None = None
         self._connected = trio.Event()
@@ -41,11 +40,15 @@ class ResumingClient:
         self.identity: dict = {}
 
     def follow(self, scope_id: str, after_seq: int | None = None) -> None:
-        self.scope_cursors[scope_id] = after_seq
+        self.cursors.scopes[scope_id] = after_seq
 
     def follow_workspace(self, after_global_seq: int | None = None) -> None:
-        self.workspace_feed = True
-        self.global_cursor = after_global_seq
+        self.cursors.workspace_feed = True
+        self.cursors.global_seq = after_global_seq
+
+    @property
+    def global_cursor(self) -> int | None:
+        return self.cursors.global_seq
 
     async def call(self, op: str, *, retry: bool = True, **fields: Any) -> Any:
         """A request on the current connection.  With `retry` (for idempotent
@@ -84,7 +87,7 @@ class ResumingClient:
                     backoff = 0.1
                     while True:
                         event = await connection.next_event()
-                        if self._is_new(event):
+                        if self.cursors.accept(event):
                             await events.send(event)
             except RETRYABLE as exc:
                 self.connection = None
@@ -109,36 +112,7 @@ class ResumingClient:
                 self.workspace_id = self.identity.get("workspace_id")
             self.connection = connection
             self._connected.set()
-            if self.scope_cursors or self.workspace_feed:
-                fields: dict[str, Any] = {
-                    "scopes": [{"scope_id": s, "after_seq": c} for s, c in self.scope_cursors.items()],
-                }
-                if self.workspace_feed:
-                    fields["workspace_feed"] = True
-                    fields["after_global_seq"] = self.global_cursor
-                result = await connection.call("subscribe", workspace_id=self.workspace_id, **fields)
-                # Live-from-now subscriptions learn their starting cursor from the reply.
-                for scope in result["scopes"]:
-                    if self.scope_cursors.get(scope["id"]) is None:
-                        self.scope_cursors[scope["id"]] = scope["latest_seq"]
-                if self.workspace_feed and self.global_cursor is None:
-                    self.global_cursor = result.get("workspace_global_seq", 0)
+            if self.cursors.scopes or self.cursors.workspace_feed:
+                self.cursors.started(await connection.call("subscribe", workspace_id=self.workspace_id,
+                                                           **self.cursors.subscribe_fields()))
             yield connection
-
-    def _is_new(self, event: dict) -> bool:
-        """Advance the cursors; False for anything already delivered."""
-        seq, scope_id = event.get("seq"), event.get("scope_id")
-        if seq is None or event.get("event") != "message.created":
-            return True
-        if scope_id in self.scope_cursors:
-            cursor = self.scope_cursors[scope_id]
-            if cursor is not None and seq <= cursor:
-                return False
-            self.scope_cursors[scope_id] = seq
-            return True
-        if self.workspace_feed:
-            global_seq = event.get("global_seq")
-            if self.global_cursor is not None and global_seq is not None and global_seq <= self.global_cursor:
-                return False
-            self.global_cursor = global_seq
-        return True

@@ -145,6 +145,21 @@ async def test_asyncio_client(app: App, tenants):
 
         assert await trio.to_thread.run_sync(asyncio.run, asyncio_side()) == [1]
 
+        async def resuming_side() -> list[int]:
+            from client.asyncio_client import ResumingAsyncioClient
+
+            client = ResumingAsyncioClient(app.url, email=alpha.owner.email, password=alpha.owner.password,
+                                           workspace_id=alpha.workspace_id)
+            client.cursors.scopes[channel["id"]] = 0
+            seqs = []
+            async for event in client.events():
+                seqs.append(event["seq"])
+                if len(seqs) == 1:
+                    break
+            return seqs
+
+        assert await trio.to_thread.run_sync(asyncio.run, resuming_side()) == [1]
+
 
 async def test_websocat_speaks_the_protocol(app: App, tenants):
     """The README's websocat recipe: one JSON request per line in, one reply per line out."""
