@@ -589,6 +589,8 @@ def run_scopewire_gc_stats(args: argparse.Namespace, rest: list[str]) -> int:
             time.sleep(0.2)
 
     gc.callbacks.append(callback)
+    if args.gc_threshold:  # diagnostic what-if only: the server as shipped keeps CPython's defaults
+        gc.set_threshold(*(int(x) for x in args.gc_threshold.split(",")))
     threading.Thread(target=writer, name="gc-stats", daemon=True).start()
     sys.argv = ["server.cli", *rest]
     os.chdir(ROOT)
@@ -825,7 +827,8 @@ async def start_server(side: str, fx: Fixture, args: argparse.Namespace, procs: 
             serve = ["serve", "--data-dir", str(fx.data_dir), "--port", "0", "--log-level", args.log_level]
             if args.gc_stats:
                 launcher = [str(Path(__file__).resolve()), "--role", "scopewire-gc-stats",
-                            "--gc-stats-file", str(fx.log_dir / f"{tag}-gc-stats.json"), "--"]
+                            "--gc-stats-file", str(fx.log_dir / f"{tag}-gc-stats.json"),
+                            *(["--gc-threshold", args.gc_threshold] if args.gc_threshold else []), "--"]
             else:
                 launcher = ["-m", "server.cli"]
             proc = procs.add(await asyncio.create_subprocess_exec(
@@ -1086,8 +1089,8 @@ async def _start_py_spy(pid: int, seconds: float, out: Path):
     if not Path(exe).exists():
         return None
     proc = await asyncio.create_subprocess_exec(
-        exe, "record", "--pid", str(pid), "--duration", str(max(1, int(seconds))), "--rate", "200",
-        "--nonblocking", "--format", "raw", "--output", str(out),
+        exe, "record", "--pid", str(pid), "--duration", str(max(1, int(seconds))), "--rate", "100",
+        "--format", "raw", "--output", str(out),
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return proc, out
 
@@ -1409,9 +1412,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="event loop of the baseline server (default asyncio)")
     p.add_argument("--log-level", default="warning", help="scopewire serve --log-level (default warning)")
     p.add_argument("--py-spy", action="store_true",
-                   help="profile the scopewire server over each measured window (py-spy, non-blocking)")
+                   help="profile the scopewire server over each measured window (py-spy at 100 Hz; it pauses "
+                        "the process for each sample, so keep profiled runs apart from the headline numbers)")
     p.add_argument("--gc-stats", action="store_true",
                    help="run scopewire under gc.callbacks timing (reports its garbage-collection share)")
+    p.add_argument("--gc-threshold", metavar="G0,G1,G2",
+                   help="diagnostic what-if, with --gc-stats: gc.set_threshold() in the scopewire process")
     p.add_argument("--timeout", type=float, default=3600.0, help="bound on the whole benchmark (seconds)")
     p.add_argument("--keep", action="store_true", help="keep the scratch dir (data dir, logs)")
     p.add_argument("--quick", action="store_true", help="small smoke run")

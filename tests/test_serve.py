@@ -23,10 +23,18 @@ SCOPEWIRE = [sys.executable, "-m", "server.cli"]
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 
+_started: list[trio.Process] = []
+
+
 @pytest.fixture
 def data_dir() -> Iterator[Path]:
     path = Path(tempfile.mkdtemp(prefix="scopewire-serve-"))
     yield path
+    # A failed test must not leave a server (and its postgres) behind.
+    while _started:
+        process = _started.pop()
+        if process.returncode is None:
+            process.kill()
     shutil.rmtree(path, ignore_errors=True)
 
 
@@ -49,6 +57,7 @@ async def start_serve(data_dir: Path, *extra: str, port: int = 0) -> Served:
         stdout=subprocess.PIPE, stderr=stderr, cwd=PROJECT_ROOT,
     )
     stderr.close()
+    _started.append(process)
     line = b""
     with trio.fail_after(90):
         while not line.endswith(b"\n"):
