@@ -1,7 +1,7 @@
 """Benchmark: realtime fanout of one scope to many WebSocket subscribers, against a
 minimal `websockets.broadcast()` server in the same run.
 
-For each configuration SUBSCRIBERS:RATE (default 1000:500 and 5000:100) and each side
+For each configuration SUBSCRIBERS:RATE and each side
 
   scopewire  the real server, `python -m server.cli serve --port 0` on a throwaway data
              dir (embedded PostgreSQL), a fresh process per run.  Subscribers are
@@ -17,39 +17,54 @@ For each configuration SUBSCRIBERS:RATE (default 1000:500 and 5000:100) and each
 
 the same subscriber client processes connect (--client-procs processes, each a small
 epoll loop over raw sockets speaking just enough RFC 6455: handshake, masked client
-frames, unmasked server frames, pong), the same sender offers the same open-loop rate
-for --duration seconds (after --warmup messages, delivered before the window and not
-counted) with a --payload
-character content that embeds the send time (time.time_ns(); one machine, one clock).
+frames, unmasked server frames, pong), and the same sender (this process) offers the
+same open-loop rate for --duration seconds, after --warmup messages that are delivered
+before the window opens and not counted.  Every message has a --payload character
+content that starts with its send time (time.time_ns(); one machine, one clock).
+
+Default configurations: 1000:500 and 5000:100 (the issue's subscriber counts; the same
+500,000 deliveries/s offered, 5000 x 500 would be 2.5 M/s) and 1000:5, a light load at
+which both sides keep up, so latency there is the pipeline's own and not queueing.
 
 Measured per run:
   deliveries/s     measured deliveries (content sent in the window) received by all
                    subscribers / (last such delivery - first send); equals the offered
-                   SUBSCRIBERS x RATE when the server keeps up, lower when it falls behind
-  delivered        measured deliveries / (acknowledged sends x subscribed connections),
-                   after the drain (until complete, or no progress for --stall seconds)
+                   SUBSCRIBERS x RATE when the server keeps up; when it does not, this is
+                   its capacity on this machine (and the latencies are queueing delay)
+  delivered        measured deliveries / (sends not refused x subscribed connections),
+                   after the drain (until complete, no delivery for --stall s, or
+                   --drain-timeout)
   latency          send -> receive per delivery (p50/p90/p99/max), histogram merged over
-                   all client processes (10 us buckets below 10 ms, 1 ms above)
-  RSS              VmRSS of the server process only (not PostgreSQL): after the senders
+                   all client processes (10 us buckets below 10 ms, 1 ms above); also the
+                   sender's send -> result latency
+  RSS              VmRSS of the server process only (not PostgreSQL): after the sender
                    connected, after every subscriber authenticated, after every
-                   subscriber subscribed (then idle for --settle s), and the peak; per
-                   connection = difference / connections
-  CPU              server process, its descendants (PostgreSQL), client processes and the
-                   sender (this process) over the measured window
+                   subscriber subscribed (each after --settle idle seconds), and the peak;
+                   per connection = increase / connections
+  CPU              over the measured window: the server process (and CPU microseconds per
+                   delivery), its descendants (PostgreSQL), the client processes, the
+                   sender, and every other process on the machine (other users' work
+                   competes for the same cores; each run first waits up to --wait-idle s
+                   for the machine to be idle)
 
-The ratio is scopewire / baseline (deliveries/s; latencies as scopewire / baseline).
-Runs alternate the side that goes first; with --repeats the median is reported.
+The ratio is scopewire / baseline (deliveries/s; latencies and CPU per delivery as
+scopewire / baseline).  Sides alternate which goes first; with --repeats, medians.
 
 Targets (from the issue): deliveries/s ratio >= 1.0; scopewire p99 <= 25 ms at 1000
 subscribers and 500 msg/s; <= 16 KiB server RSS per idle authenticated connection.
 
+Diagnostics (keep them out of headline runs): --py-spy profiles scopewire over each
+measured window; --gc-stats runs scopewire under gc.callbacks timing (its share of CPU
+in garbage collection), and --gc-threshold G0,G1,G2 additionally sets gc.set_threshold()
+in that process, a what-if that changes nothing in the repository.
+
     python bench/fanout.py                          # full run
     python bench/fanout.py --quick                  # smoke run
     python bench/fanout.py --configs 1000:500 --repeats 3
-    python bench/fanout.py --py-spy                 # + py-spy profile of scopewire's window
+    python bench/fanout.py --configs 1000:100 --sides scopewire --gc-stats --py-spy
 
-Results go to bench/results/fanout.json.  Needs the `websockets` package (baseline server
-and sender).
+Results go to bench/results/fanout.json.  Needs the `websockets` package (the baseline
+server and the sender).
 """
 
 from __future__ import annotations
@@ -560,7 +575,7 @@ def run_baseline_server(args: argparse.Namespace) -> int:
 
 def run_scopewire_gc_stats(args: argparse.Namespace, rest: list[str]) -> int:
     """`python -m server.cli <rest>` in this process, with gc.callbacks timing every
-    collection; the running totals are rewritten to --gc-stats-file every 0.2 s.  Nothing of
+    collection; the running totals are rewritten to --gc-stats-file every 0.5 s.  Nothing of
     the server changes; the callbacks cost a few microseconds per collection."""
     import gc
     import runpy
@@ -586,7 +601,7 @@ def run_scopewire_gc_stats(args: argparse.Namespace, rest: list[str]) -> int:
             tmp = out.with_suffix(".tmp")
             tmp.write_text(json.dumps(totals))
             tmp.replace(out)
-            time.sleep(0.2)
+            time.sleep(0.5)
 
     gc.callbacks.append(callback)
     if args.gc_threshold:  # diagnostic what-if only: the server as shipped keeps CPython's defaults
@@ -610,6 +625,17 @@ def read_gc_stats(path: Path | None) -> dict[str, Any] | None:
 
 
 # ============================================================================ parent: processes
+
+def _die_with_parent() -> None:
+    """preexec_fn: SIGTERM this child when the benchmark dies, however it dies (Linux)."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
+async def spawn(*argv: str, **kwargs: Any) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(*argv, preexec_fn=_die_with_parent, **kwargs)
+
 
 class Procs:
     """Every process this benchmark starts, so all of them are stopped on the way out."""
@@ -831,11 +857,11 @@ async def start_server(side: str, fx: Fixture, args: argparse.Namespace, procs: 
                             *(["--gc-threshold", args.gc_threshold] if args.gc_threshold else []), "--"]
             else:
                 launcher = ["-m", "server.cli"]
-            proc = procs.add(await asyncio.create_subprocess_exec(
+            proc = procs.add(await spawn(
                 sys.executable, *launcher, *serve, cwd=ROOT, stdout=subprocess.PIPE, stderr=log))
             url = await _read_ready(proc, "scopewire ready on", 180)
         else:
-            proc = procs.add(await asyncio.create_subprocess_exec(
+            proc = procs.add(await spawn(
                 sys.executable, str(Path(__file__).resolve()), "--role", "baseline-server",
                 "--baseline-loop", args.baseline_loop, cwd=ROOT, stdout=subprocess.PIPE, stderr=log))
             url = await _read_ready(proc, "baseline ready on", 60)
@@ -889,7 +915,7 @@ async def one_run(side: str, subscribers: int, rate: float, fx: Fixture, args: a
         shares = [subscribers // procs_n + (1 if i < subscribers % procs_n else 0) for i in range(procs_n)]
         phase_timeout = 60 + subscribers / 20
         for index, count in enumerate(shares):
-            wp = procs.add(await asyncio.create_subprocess_exec(
+            wp = procs.add(await spawn(
                 sys.executable, str(Path(__file__).resolve()), "--role", "subscribers", "--url", url,
                 "--count", str(count), "--index", str(index), "--keys", ",".join(fx.subscriber_keys),
                 "--scope-id", fx.scope_id, "--max-seconds", str(args.timeout), cwd=ROOT,
@@ -950,7 +976,7 @@ async def one_run(side: str, subscribers: int, rate: float, fx: Fixture, args: a
         if profile:
             spy = await _start_py_spy(pid, args.duration, fx.log_dir / f"{tag}-{side}-py-spy.txt")
         run["stage"] = "measured sends"
-        send = await sender.run(rate, args.duration, start_ns=t0)
+        send = await asyncio.wait_for(sender.run(rate, args.duration, start_ns=t0), args.duration + 120)
         run["send"] = send
 
         # ---- drain: until every send that was not refused reached every subscriber, or no
@@ -1088,7 +1114,7 @@ async def _start_py_spy(pid: int, seconds: float, out: Path):
     exe = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     if not Path(exe).exists():
         return None
-    proc = await asyncio.create_subprocess_exec(
+    proc = await spawn(
         exe, "record", "--pid", str(pid), "--duration", str(max(1, int(seconds))), "--rate", "100",
         "--format", "raw", "--output", str(out),
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -1148,7 +1174,7 @@ async def build_fixture(args: argparse.Namespace, procs: Procs, data_dir: Path, 
     from websockets.asyncio.client import connect
 
     log = open(log_dir / "setup-serve.log", "wb")
-    proc = procs.add(await asyncio.create_subprocess_exec(
+    proc = procs.add(await spawn(
         sys.executable, "-m", "server.cli", "serve", "--data-dir", str(data_dir), "--port", "0",
         cwd=ROOT, stdout=subprocess.PIPE, stderr=log))
     log.close()
@@ -1305,7 +1331,7 @@ def print_tables(rows: list[dict[str, Any]], runs: list[dict[str, Any]], args: a
     print()
     print("  deliv/s: measured deliveries / (last delivery - first send); * = did not keep up with the offered rate")
     print("    (then deliv/s is that side's capacity on this machine and the latencies are queueing delay);")
-    print("  deliv%: of acknowledged sends x subscribers; us/deliv: server-process CPU microseconds per delivery;")
+    print("  deliv%: of sends not refused x subscribers; us/deliv: server-process CPU microseconds per delivery;")
     print("  CPU in cores busy over the window: srv = the server process only, cli = all client processes,")
     print("  other = processes that are not this benchmark's (competing for the same cores); "
           "4408: slow-consumer closes")
@@ -1388,7 +1414,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", default=None,
-                   help="comma list of SUBSCRIBERS:RATE (default 1000:500,5000:100; --quick 200:200)")
+                   help="comma list of SUBSCRIBERS:RATE (default 1000:500,5000:100,1000:5; --quick 200:20)")
     p.add_argument("--duration", type=float, default=None, help="measured seconds of sending (default 10; quick 3)")
     p.add_argument("--warmup", type=int, default=50,
                    help="messages sent (at most 100/s) and delivered before the window (default 50)")
@@ -1400,7 +1426,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--api-keys", type=int, default=4, help="API keys shared by the subscribers (default 4)")
     p.add_argument("--settle", type=float, default=2.0, help="idle seconds before each RSS sample (default 2)")
     p.add_argument("--stall", type=float, default=3.0, help="drain ends after this long without a delivery")
-    p.add_argument("--drain-timeout", type=float, default=60.0, help="longest drain after the sends (default 60)")
+    p.add_argument("--drain-timeout", type=float, default=None,
+                   help="longest drain after the sends (default 60; quick 15)")
     p.add_argument("--max-server-rss-mib", type=int, default=8192,
                    help="abort a run whose server grows past this (default 8192)")
     p.add_argument("--wait-idle", type=float, default=120.0,
@@ -1436,9 +1463,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.role != "main":
         return args
     if args.configs is None:
-        args.configs = "200:200" if args.quick else "1000:500,5000:100"
+        args.configs = "200:20" if args.quick else "1000:500,5000:100,1000:5"
     if args.duration is None:
         args.duration = 3.0 if args.quick else 10.0
+    if args.drain_timeout is None:
+        args.drain_timeout = 15.0 if args.quick else 60.0
     try:
         args.configs = [(int(a), float(b)) for a, b in (c.split(":") for c in args.configs.split(",") if c)]
     except ValueError:

@@ -241,12 +241,14 @@ class ThreadReply(WorkspaceRequest, tag="thread.reply"):
 
 class MessageForward(WorkspaceRequest, tag="message.forward"):
     """Forward one message (its mentions stay live, as if re-sent) or several
-    (context only: no live mentions) into `scope_id`."""
+    (context only: no live mentions) into `scope_id`.  `owner_quote` shares
+    output of your own agents as explicit context (no live mentions)."""
 
     scope_id: Id
     source_message_ids: Annotated[list[Id], msgspec.Meta(min_length=1, max_length=20)]
     comment: Content = ""
     client_message_id: ClientMessageId | None = None
+    mode: Literal["forward", "owner_quote"] = "forward"
 
 
 class MessageEdit(WorkspaceRequest, tag="message.edit"):

@@ -296,6 +296,8 @@ async def message_forward(server: Server, connection: Connection, request: f.Mes
         if source is None or source["state"] != "visible":
             raise _not_found("message")
         sources.append(source)
+    if request.mode == "owner_quote":
+        return await _owner_quote(server, workspace, target, sources, request)
     single = len(sources) == 1
     # A single forward re-sends the text (its mentions are live, §5.3); several
     # are context only.
@@ -306,6 +308,21 @@ async def message_forward(server: Server, connection: Connection, request: f.Mes
         sources=tuple(SourceRef("forward" if single else "multi_forward", s["id"], s["scope_id"], s["seq"])
                       for s in sources),
         mention_mode=MentionMode.SINGLE_FORWARD if single else MentionMode.MULTI_FORWARD))
+
+
+async def _owner_quote(server: Server, workspace: WorkspaceContext, target: asyncpg.Record, sources: list,
+                       request: f.MessageForward) -> f.MessageInfo:
+    """An owner shares what its own agents wrote, as explicit context: the quote
+    carries no live mentions, only the owner's comment is the message text."""
+    for source in sources:
+        author = await server.db.run(messages.member_candidate, workspace.workspace_id, source["author_member_id"])
+        if author.kind != "agent" or author.owner_member_id != workspace.member_id:
+            raise ProtocolError(ErrorCode.FORBIDDEN, "owner_quote shares only your own agents' messages")
+    return await _send(server, workspace, target["id"], MessageIntent(
+        scope_id=target["id"], content=request.comment, client_message_id=request.client_message_id,
+        message_type="owner_quote", metadata={"quoted_message_ids": [s["id"] for s in sources]},
+        sources=tuple(SourceRef("owner_quote", s["id"], s["scope_id"], s["seq"]) for s in sources),
+        mention_mode=MentionMode.EXPLICIT_CONTEXT))
 
 
 async def message_edit(server: Server, connection: Connection, request: f.MessageEdit,
