@@ -173,6 +173,8 @@ async def test_interleaved_owner_demotions_serialize_on_the_workspace_lock(app: 
         await tenancy.set_role(conn, alpha.workspace_id, target, "admin")
         shared["a_ready"].set()
         for _ in range(3000):  # bounded (30 s): until B waits on a lock or has finished
+            # Activity stats are snapshotted per transaction: drop the snapshot each poll.
+            await conn.execute("SELECT pg_stat_clear_snapshot()")
             waiting = await conn.fetchval("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
                                           "AND datname = current_database()")
             if waiting or shared["b_done"].is_set():
