@@ -9,6 +9,7 @@ cursor against the durable log.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +40,9 @@ class Subscription:
     scopes: set[str] = field(default_factory=set)
     workspace_id: str | None = None
     overflowed: bool = False
+    # Called (synchronously) when the buffer overflows: the owner cuts the
+    # connection off, even if its pusher is stuck writing to a dead socket.
+    on_overflow: Callable[[], None] | None = None
 
 
 class FanoutHub:
@@ -97,5 +101,7 @@ class FanoutHub:
             except trio.WouldBlock:
                 subscription.overflowed = True
                 self.unsubscribe(subscription)
+                if subscription.on_overflow is not None:
+                    subscription.on_overflow()
             except (trio.ClosedResourceError, trio.BrokenResourceError):
                 self.unsubscribe(subscription)

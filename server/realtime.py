@@ -102,8 +102,9 @@ class Pusher:
         frame = event.frames.get(binary)
         if frame is None:
             frame = event.frames[binary] = server_frame(encode(_event_frame(event), binary=binary), binary=binary)
-        with trio.fail_after(self.server.config.push_timeout_seconds):
-            await self.connection.send_frame(frame)
+        # No per-push cancel scope on this hot path: a pusher stuck on a dead
+        # socket is caught by the overflow of its bounded buffer instead.
+        await self.connection.send_frame(frame)
 
     async def _handle(self, event: CommittedEvent) -> None:
         if event.event == CATCH_UP:
@@ -181,6 +182,20 @@ class Pusher:
                 return
 
 
+async def _abort_slow(connection: Connection) -> None:
+    """The buffer overflowed: close with 4408 if the stream can still carry a
+    close frame soon, else drop it (a pusher stuck mid-write holds the stream).
+    Either way the client resumes from its cursors."""
+    log.info("cutting off slow consumer", extra={"connection": connection.id})
+    with trio.move_on_after(1.0):
+        try:
+            await connection.close(f.CLOSE_SLOW_CONSUMER, "slow_consumer: event buffer overflow")
+            return
+        except trio_websocket.ConnectionClosed:
+            return
+    await connection.abort()
+
+
 def _event_frame(event: CommittedEvent) -> f.Event:
     data = _message_data(event.data, event.event) if event.event.startswith("message.") else event.data
     return f.Event(event=event.event, workspace_id=event.workspace_id, scope_id=event.scope_id, data=data,
@@ -208,6 +223,7 @@ async def subscribe(server: Server, connection: Connection, request: f.Subscribe
     if state is None:
         state = PushState(workspace.workspace_id, workspace.member_id,
                           server.hub.subscribe(workspace.member_id, buffer=server.config.push_buffer_events))
+        state.subscription.on_overflow = lambda: connection.nursery.start_soon(_abort_slow, connection)
         connection.push = state
     for row, after_seq in scopes:
         state.scope_cursors[row["id"]] = after_seq if after_seq is not None else row["latest_seq"]
