@@ -32,7 +32,7 @@ from actors.fanout import FanoutHub
 from actors.outbox_worker import OutboxWorker
 from actors.registry import ScopeRegistry
 from server import handlers
-from server.messaging import ReactionRateLimiter, TokenBucket
+from server.messaging import KeyedRateLimiter, TokenBucket
 from server.realtime import PushState
 from server.auth import Authenticator
 from server.config import ServerConfig
@@ -138,8 +138,9 @@ class Server:
     auth: Authenticator
     connections: ConnectionRegistry = field(default_factory=ConnectionRegistry)
     hub: FanoutHub = field(default_factory=FanoutHub)
-    reaction_limiter: ReactionRateLimiter = field(default_factory=ReactionRateLimiter)
-    signal_buckets: dict = field(default_factory=dict)
+    reaction_limiter: KeyedRateLimiter = field(default_factory=lambda: KeyedRateLimiter(5.0, 20))
+    typing_limiter: KeyedRateLimiter = field(default_factory=lambda: KeyedRateLimiter(1.0, 5))
+    presence_limiter: KeyedRateLimiter = field(default_factory=lambda: KeyedRateLimiter(0.2, 3))
     registry: ScopeRegistry | None = None
     outbox: OutboxWorker | None = None
     port: int | None = None

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
 import asyncpg
@@ -363,24 +362,24 @@ class TokenBucket:
         return True
 
 
-class ReactionRateLimiter:
-    """Token bucket per member: a burst, then a steady rate.  Over the limit the
-    command answers rate_limited (never accept-and-drop)."""
+class KeyedRateLimiter:
+    """A token bucket per key (member, or member and scope).  Over the limit the
+    command answers rate_limited (never accept-and-drop).  Bounded: past
+    `max_keys` the buckets are forgotten wholesale."""
 
-    def __init__(self, rate_per_second: float = 5.0, burst: int = 20) -> None:
+    def __init__(self, rate_per_second: float, burst: int, max_keys: int = 100_000) -> None:
         self.rate = rate_per_second
         self.burst = burst
-        self._buckets: dict[str, tuple[float, float]] = defaultdict(lambda: (float(burst), time.monotonic()))
+        self.max_keys = max_keys
+        self._buckets: dict[object, TokenBucket] = {}
 
-    def take(self, member_id: str) -> bool:
-        tokens, last = self._buckets[member_id]
-        now = time.monotonic()
-        tokens = min(self.burst, tokens + (now - last) * self.rate)
-        if tokens < 1:
-            self._buckets[member_id] = (tokens, now)
-            return False
-        self._buckets[member_id] = (tokens - 1, now)
-        return True
+    def take(self, key: object) -> bool:
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            if len(self._buckets) >= self.max_keys:
+                self._buckets.clear()
+            bucket = self._buckets[key] = TokenBucket(self.rate, self.burst)
+        return bucket.take()
 
 
 async def _react(server: Server, ctx: RequestContext, message_id: str, key: str, add: bool) -> f.Ok:

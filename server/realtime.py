@@ -28,7 +28,7 @@ from actors.plan import CommittedMessage
 from protocol import frames as f
 from protocol.codec import encode
 from protocol.errors import ErrorCode, ProtocolError
-from server.messaging import TokenBucket, _scope, message_info, scope_info
+from server.messaging import _scope, message_info, scope_info
 from server.rbac import Permission
 from server.wire import server_frame
 from storage import messages
@@ -263,19 +263,10 @@ TYPING_TTL_MS = 6_000
 PRESENCE_TTL_MS = 90_000
 
 
-def _signal_allowed(server: Server, key: tuple, rate: float, burst: int) -> bool:
-    bucket = server.signal_buckets.get(key)
-    if bucket is None:
-        if len(server.signal_buckets) > 100_000:  # bounded: forget old buckets wholesale
-            server.signal_buckets.clear()
-        bucket = server.signal_buckets[key] = TokenBucket(rate, burst)
-    return bucket.take()
-
-
 async def typing(server: Server, connection: Connection, request: f.Typing, ctx) -> f.Ok:
     """Goes to the scope's current members only; nothing is written."""
     workspace, row = await _scope(server, ctx, request.scope_id, Permission.MESSAGE_WRITE)
-    if not _signal_allowed(server, ("typing", workspace.member_id, row["id"]), 1.0, 5):
+    if not server.typing_limiter.take((workspace.member_id, row["id"])):
         raise ProtocolError(ErrorCode.RATE_LIMITED, "typing signals are limited to about one a second")
     roster = await server.db.run(messages.open_roster, row["id"])
     server.hub.publish(CommittedEvent("typing", workspace.workspace_id, row["id"], None, None, {
@@ -287,7 +278,7 @@ async def typing(server: Server, connection: Connection, request: f.Typing, ctx)
 async def presence(server: Server, connection: Connection, request: f.Presence, ctx) -> f.Ok:
     """Goes to the workspace feed's subscribers; nothing is written."""
     workspace = ctx.require(Permission.MESSAGE_READ)
-    if not _signal_allowed(server, ("presence", workspace.member_id), 0.2, 3):
+    if not server.presence_limiter.take(workspace.member_id):
         raise ProtocolError(ErrorCode.RATE_LIMITED, "presence updates are limited")
     server.hub.publish(CommittedEvent("presence", workspace.workspace_id, "", None, None, {
         "member_id": workspace.member_id, "state": request.state,

@@ -48,12 +48,15 @@ async def test_resuming_client_survives_a_server_restart(app: App, tenants, nurs
     client = ResumingClient(url, email=alpha.owner.email, password=alpha.owner.password, workspace_id=alpha.workspace_id)
     client.follow(channel["id"], after_seq=0)
     seen: list[int] = []
+    first_ten = trio.Event()
 
     async def consume():
         async with client.running() as events:
             async for event in events:
                 if event["event"] == "message.created":
                     seen.append(event["seq"])
+                    if len(seen) == 10:
+                        first_ten.set()
                     if len(seen) == 20:
                         return
 
@@ -67,8 +70,7 @@ async def test_resuming_client_survives_a_server_restart(app: App, tenants, nurs
         async with trio.open_nursery() as inner:
             inner.start_soon(consume)
             await send(0, 10)
-            while len(seen) < 10:
-                await trio.sleep(0.01)  # polling the consumer's progress, bounded by fail_after
+            await first_ten.wait()
             first.cancel()  # the server goes away (connections closed with 1001)
             await nursery.start(serve_once)  # and comes back on the same port
             await send(10, 20)
