@@ -1,19 +1,16 @@
 """The fanout hub: where committed events go after commit.
 
-Subscribers register per scope and/or per workspace and receive events in a
-bounded trio memory channel.  A subscriber whose channel is full is cut off
-(its channel is closed) rather than slowing anyone else; it resumes from its
-cursor against the durable log.
+Subscribers register per scope and/or per workspace with a Sink; publishing
+calls the sinks synchronously (no task switch per recipient).  A sink never
+blocks: one that cannot keep up cuts its own connection off and the client
+resumes from its cursor against the durable log.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
-
-import trio
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
@@ -32,17 +29,28 @@ class CommittedEvent:
     frames: dict[bool, bytes] = field(default_factory=dict, compare=False, repr=False)
 
 
+class Sink(Protocol):
+    """The receiving end of a subscription.  Every method is synchronous and
+    must not block: the hub calls them from the committing actor's task."""
+
+    def deliver(self, event: CommittedEvent) -> None:
+        """An event the member is entitled to."""
+
+    def skip(self, event: CommittedEvent) -> None:
+        """An event on a followed workspace that is not for this member (its
+        workspace_global_seq is still a step of the feed's sequence)."""
+
+    def flush(self) -> None:
+        """The end of a publication: write what `deliver` gathered."""
+
+
 @dataclass(eq=False)
 class Subscription:
     member_id: str
-    send: trio.MemorySendChannel
-    receive: trio.MemoryReceiveChannel
+    sink: Sink
     scopes: set[str] = field(default_factory=set)
     workspace_id: str | None = None
-    overflowed: bool = False
-    # Called (synchronously) when the buffer overflows: the owner cuts the
-    # connection off, even if its pusher is stuck writing to a dead socket.
-    on_overflow: Callable[[], None] | None = None
+    active: bool = True
 
 
 class FanoutHub:
@@ -51,17 +59,18 @@ class FanoutHub:
         self._by_workspace: dict[str, set[Subscription]] = defaultdict(set)
         self.published = 0
 
-    def subscribe(self, member_id: str, *, buffer: int = 256) -> Subscription:
-        send, receive = trio.open_memory_channel[CommittedEvent](buffer)
-        return Subscription(member_id=member_id, send=send, receive=receive)
+    def subscribe(self, member_id: str, sink: Sink) -> Subscription:
+        return Subscription(member_id=member_id, sink=sink)
 
     def follow_scope(self, subscription: Subscription, scope_id: str) -> None:
-        subscription.scopes.add(scope_id)
-        self._by_scope[scope_id].add(subscription)
+        if subscription.active:
+            subscription.scopes.add(scope_id)
+            self._by_scope[scope_id].add(subscription)
 
     def follow_workspace(self, subscription: Subscription, workspace_id: str) -> None:
-        subscription.workspace_id = workspace_id
-        self._by_workspace[workspace_id].add(subscription)
+        if subscription.active:
+            subscription.workspace_id = workspace_id
+            self._by_workspace[workspace_id].add(subscription)
 
     def unfollow_scope(self, subscription: Subscription, scope_id: str) -> None:
         subscription.scopes.discard(scope_id)
@@ -81,27 +90,39 @@ class FanoutHub:
             subscription.workspace_id = None
 
     def unsubscribe(self, subscription: Subscription) -> None:
+        subscription.active = False
         for scope_id in list(subscription.scopes):
             self.unfollow_scope(subscription, scope_id)
         self.unfollow_workspace(subscription)
-        subscription.send.close()
 
     def publish(self, event: CommittedEvent, roster: frozenset[str] | set[str] | None = None) -> None:
-        """Hand `event` to every subscriber entitled to it: a follower of the
-        scope or of its workspace whose member is in `roster` (or the event's
-        own audience).  Never blocks."""
-        self.published += 1
-        entitled = event.audience if event.audience is not None else roster
-        targets = set(self._by_scope.get(event.scope_id, ())) | set(self._by_workspace.get(event.workspace_id, ()))
-        for subscription in targets:
-            if entitled is not None and subscription.member_id not in entitled:
-                continue
-            try:
-                subscription.send.send_nowait(event)
-            except trio.WouldBlock:
-                subscription.overflowed = True
-                self.unsubscribe(subscription)
-                if subscription.on_overflow is not None:
-                    subscription.on_overflow()
-            except (trio.ClosedResourceError, trio.BrokenResourceError):
-                self.unsubscribe(subscription)
+        self.publish_many([(event, roster)])
+
+    def publish_many(self, items: list[tuple[CommittedEvent, frozenset[str] | set[str] | None]]) -> None:
+        """Hand each event, in order, to every subscriber entitled to it: a
+        follower of the scope or of its workspace whose member is in the roster
+        (or the event's own audience).  Then each touched subscriber flushes
+        once, so a batch of events leaves in one write per connection.  Never
+        blocks."""
+        touched: dict[Subscription, None] = {}
+        for event, roster in items:
+            self.published += 1
+            entitled = event.audience if event.audience is not None else roster
+            by_scope = self._by_scope.get(event.scope_id)
+            by_workspace = self._by_workspace.get(event.workspace_id)
+            # Copies: a sink may unsubscribe itself (cut off) while we iterate.
+            if by_scope and by_workspace:
+                targets = list(by_scope | by_workspace)
+            else:
+                targets = list(by_scope or by_workspace or ())
+            for subscription in targets:
+                if not subscription.active:
+                    continue
+                if entitled is not None and subscription.member_id not in entitled:
+                    subscription.sink.skip(event)
+                    continue
+                subscription.sink.deliver(event)
+                touched[subscription] = None
+        for subscription in touched:
+            if subscription.active:
+                subscription.sink.flush()

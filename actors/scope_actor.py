@@ -203,6 +203,7 @@ class ScopeActor:
             self._roster_set = frozenset(self.state.roster) if self.state else frozenset()
         roster = self._roster_set
         committed_message_ids = []
+        published = []
         for command, outcome in zip(batch, outcomes):
             if isinstance(outcome, BaseException):
                 command.reply.fail(outcome)
@@ -210,10 +211,12 @@ class ScopeActor:
             command.reply.set(outcome.value)
             for event in outcome.events:
                 # A member who just left still hears about their own removal.
-                self.hub.publish(event, roster=roster | before if event.event == "membership.changed" else roster)
+                published.append((event, roster | before if event.event == "membership.changed" else roster))
                 if event.event == "message.created":
                     committed_message_ids.append(event.data.id)
                     self.state.latest_seq = max(self.state.latest_seq, event.seq)
+        # One publication per batch: each connection gets the batch in one write.
+        self.hub.publish_many(published)
         if committed_message_ids:
             try:
                 await self.db.transaction(applier.settle_inline_delivered, self.scope_id, committed_message_ids)

@@ -20,10 +20,10 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import partial
+from collections.abc import Callable
 from typing import Any
 
 import trio
-import trio_websocket
 
 from protocol import frames
 from protocol.codec import decode_request, encode, error_frame
@@ -34,6 +34,9 @@ from actors.registry import ScopeRegistry
 from server import handlers
 from server.messaging import KeyedRateLimiter, TokenBucket
 from server.realtime import PushState
+from server import transport
+from server.transport import ConnectionClosed, WebSocket
+from server.wire import server_frame
 from server.auth import Authenticator
 from server.config import ServerConfig
 from server.context import Principal
@@ -48,44 +51,29 @@ MSGPACK_SUBPROTOCOL = "scopewire.msgpack"
 JSON_SUBPROTOCOL = "scopewire.json"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Connection:
-    ws: trio_websocket.WebSocketConnection
-    binary: bool
+    """One client's session over its WebSocket: who it is and what it follows."""
+
+    ws: WebSocket
     id: str = field(default_factory=lambda: new_id("con"))
     principal: Principal | None = None
     session_expires_at: float | None = None
-    closing: bool = False
+    closing: bool = False  # set by a handler: close (4403) after this reply
     push: PushState | None = None
-    nursery: trio.Nursery | None = None
     last_inbound: float = field(default_factory=trio.current_time)
     command_bucket: TokenBucket | None = None
 
-    async def send(self, frame: Any) -> None:
-        payload = encode(frame, binary=self.binary)
-        await self.ws.send_message(payload if self.binary else payload.decode())
+    @property
+    def binary(self) -> bool:
+        return self.ws.binary
 
-    async def send_frame(self, frame: bytes) -> None:
-        """Write a ready-made server frame (server/wire.py), shared by many
-        connections.  Frames stay whole: the library's own stream lock orders
-        this against its other writes (hence its private attributes)."""
-        if self.ws.closed is not None:
-            raise trio_websocket.ConnectionClosed(self.ws.closed)
-        async with self.ws._stream_lock:
-            try:
-                await self.ws._stream.send_all(frame)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                raise trio_websocket.ConnectionClosed(self.ws.closed) from None
+    async def send(self, frame: Any) -> None:
+        binary = self.ws.binary
+        await self.ws.send(server_frame(encode(frame, binary=binary), binary=binary))
 
     async def close(self, code: int, reason: str) -> None:
-        self.closing = True
-        await self.ws.aclose(code, reason)
-
-    async def abort(self) -> None:
-        """Drop the TCP stream without a closing handshake (a stuck or corrupted stream).
-        trio-websocket has no public abort, hence its stream attribute."""
-        self.closing = True
-        await self.ws._stream.aclose()
+        await self.ws.close(code, reason)
 
 
 class ConnectionRegistry:
@@ -144,6 +132,8 @@ class Server:
     registry: ScopeRegistry | None = None
     outbox: OutboxWorker | None = None
     port: int | None = None
+    # Starts a task next to the connection tasks (flushes, replays); set while serving.
+    spawn: Callable[..., Any] | None = None
     _edition: str | None = None
 
     async def edition(self) -> str | None:
@@ -166,76 +156,80 @@ class Server:
 
     async def _serve(self, *, task_status: trio.TaskStatus[int]) -> None:
         async with trio.open_nursery() as handlers_nursery:
+            # Connection tasks, and the short-lived flush and replay tasks of connections.
+            self.spawn = handlers_nursery.start_soon
             try:
                 async with trio.open_nursery() as background:
                     await background.start(self._watch_revocations)
                     background.start_soon(self._heartbeat)
-                    ws_server = await background.start(
-                        partial(
-                            trio_websocket.serve_websocket,
-                            self._handle,
-                            self.config.host,
-                            self.config.port,
-                            None,
-                            handler_nursery=handlers_nursery,
-                            max_message_size=self.config.max_frame_bytes,
-                            disconnect_timeout=self.config.shutdown_grace_seconds,
-                        )
-                    )
-                    self.port = ws_server.port
-                    task_status.started(ws_server.port)
+                    listeners = await transport.open_listeners(self.config.host, self.config.port)
+                    for listener in listeners:
+                        background.start_soon(transport.accept_loop, listener, self._handle, handlers_nursery)
+                    self.port = listeners[0].socket.getsockname()[1]
+                    task_status.started(self.port)
             finally:
                 with trio.CancelScope(shield=True):
-                    await self._close_all(frames.CLOSE_GOING_AWAY, "server shutting down")
+                    await self._close_many([(c, "server shutting down") for c in self.connections.all],
+                                           frames.CLOSE_GOING_AWAY)
                 handlers_nursery.cancel_scope.cancel()
-
-    async def _close_all(self, code: int, reason: str) -> None:
-        with trio.move_on_after(self.config.shutdown_grace_seconds):
-            async with trio.open_nursery() as closers:
-                for connection in list(self.connections.all):
-                    closers.start_soon(connection.close, code, reason)
 
     # --- connections -------------------------------------------------------------------
 
-    async def _handle(self, request: trio_websocket.WebSocketRequest) -> None:
-        offered = request.proposed_subprotocols
-        subprotocol = next((p for p in (MSGPACK_SUBPROTOCOL, JSON_SUBPROTOCOL) if p in offered), None)
-        ws = await request.accept(subprotocol=subprotocol)
-        connection = Connection(ws=ws, binary=subprotocol == MSGPACK_SUBPROTOCOL,
-                                command_bucket=TokenBucket(self.config.commands_per_second,
-                                                           self.config.command_burst))
+    @staticmethod
+    def _choose_subprotocol(offered: list[str]) -> str | None:
+        return next((p for p in (MSGPACK_SUBPROTOCOL, JSON_SUBPROTOCOL) if p in offered), None)
+
+    async def _handle(self, sock) -> None:
+        auth_deadline = trio.current_time() + self.config.auth_timeout_seconds
+        ws = await transport.handshake(sock, deadline=auth_deadline, choose_subprotocol=self._choose_subprotocol,
+                                       spawn=self.spawn, max_message_bytes=self.config.max_frame_bytes,
+                                       close_grace=self.config.shutdown_grace_seconds)
+        if ws is None:
+            return
+        ws.binary = ws.subprotocol == MSGPACK_SUBPROTOCOL
+        connection = Connection(ws=ws, command_bucket=TokenBucket(self.config.commands_per_second,
+                                                                  self.config.command_burst))
         self.connections.add(connection)
         try:
-            async with trio.open_nursery() as connection.nursery:  # its pusher, once it subscribes
-                try:
-                    await self._serve_connection(connection)
-                except trio_websocket.ConnectionClosed:
-                    pass
-                finally:
-                    connection.nursery.cancel_scope.cancel()
+            await self._serve_connection(connection, auth_deadline)
+        except ConnectionClosed:
+            pass
         finally:
             if connection.push is not None:
-                self.hub.unsubscribe(connection.push.subscription)
+                connection.push.stop()
             self.connections.remove(connection)
+            ws.abort()
 
-    async def _serve_connection(self, connection: Connection) -> None:
-        auth_deadline = trio.current_time() + self.config.auth_timeout_seconds
+    async def _serve_connection(self, connection: Connection, auth_deadline: float) -> None:
+        ws = connection.ws
         while True:
             raw = None
             with trio.move_on_at(auth_deadline if connection.principal is None else float("inf")):
-                raw = await connection.ws.get_message()
+                raw = await ws.receive()
             if raw is None:
                 await connection.send(error_frame(ProtocolError(ErrorCode.UNAUTHENTICATED, "authentication timeout"),
                                                   None))
                 await connection.close(frames.CLOSE_UNAUTHENTICATED, "authentication timeout")
+                await self._drain_until_closed(ws)
                 return
             connection.last_inbound = trio.current_time()
             if not connection.command_bucket.take():
                 await connection.send(self._rate_limited(raw, connection.binary))
-                continue
-            await connection.send(await self._answer(connection, raw))
+            else:
+                await connection.send(await self._answer(connection, raw))
             if connection.closing:
+                ws.close_soon(frames.CLOSE_REVOKED, "sessions revoked")
+            if ws.closing:
+                await self._drain_until_closed(ws)
                 return
+            # A client pipelining commands must not starve the others.
+            await trio.lowlevel.checkpoint()
+
+    @staticmethod
+    async def _drain_until_closed(ws: WebSocket) -> None:
+        """Read (and drop) until the peer answers our close frame or the grace runs out."""
+        while True:
+            await ws.receive()
 
     @staticmethod
     def _rate_limited(raw: str | bytes, binary: bool) -> frames.Error:
@@ -290,28 +284,30 @@ class Server:
 
     async def _heartbeat(self) -> None:
         """Every heartbeat interval: close connections idle past idle_timeout_seconds
-        (4400), and ping the rest; one that does not answer in time is aborted."""
-        while True:
-            await trio.sleep(self.config.heartbeat_seconds)
-            now = trio.current_time()
-            async with trio.open_nursery() as pings:
-                for connection in list(self.connections.all):
-                    if connection.closing:
+        (4400) and ping the rest; one that has not answered within
+        heartbeat_timeout_seconds is aborted."""
+        async with trio.open_nursery() as checks:
+            while True:
+                await trio.sleep(self.config.heartbeat_seconds)
+                now = trio.current_time()
+                idle, pinged = [], []
+                for connection in self.connections.all:
+                    if connection.ws.closing:
                         continue
                     if now - connection.last_inbound > self.config.idle_timeout_seconds:
-                        pings.start_soon(self._close_many, [(connection, "idle timeout")], frames.CLOSE_IDLE)
-                    else:
-                        pings.start_soon(self._ping, connection)
+                        idle.append((connection, "idle timeout"))
+                    elif not connection.ws.awaiting_pong:
+                        connection.ws.ping()
+                        pinged.append(connection)
+                checks.start_soon(self._close_many, idle, frames.CLOSE_IDLE)
+                checks.start_soon(self._expect_pongs, pinged)
 
-    async def _ping(self, connection: Connection) -> None:
-        with trio.move_on_after(self.config.heartbeat_timeout_seconds) as waited:
-            try:
-                await connection.ws.ping()
-            except trio_websocket.ConnectionClosed:
-                return
-        if waited.cancelled_caught:
-            log.info("no pong; aborting connection", extra={"connection": connection.id})
-            await connection.abort()
+    async def _expect_pongs(self, pinged: list[Connection]) -> None:
+        await trio.sleep(self.config.heartbeat_timeout_seconds)
+        for connection in pinged:
+            if connection.ws.awaiting_pong and not connection.ws.closing:
+                log.info("no pong; aborting connection", extra={"connection": connection.id})
+                connection.ws.abort()
 
     # --- revocation ----------------------------------------------------------------------
 
@@ -347,7 +343,7 @@ class Server:
         revoked: list[tuple[Connection, str]] = []
         for connection in connections:
             principal = connection.principal
-            if principal is None or connection.closing:
+            if principal is None or connection.closing or connection.ws.closing:
                 continue
             try:
                 await self.auth.revalidate(principal)
@@ -365,10 +361,9 @@ class Server:
                                 if c.session_expires_at is not None and c.session_expires_at <= now])
 
     async def _close_many(self, targets: list[tuple[Connection, str]], code: int = frames.CLOSE_REVOKED) -> None:
-        """Close concurrently, so one client slow to finish the handshake delays nobody."""
-        if not targets:
-            return
-        with trio.move_on_after(self.config.shutdown_grace_seconds):
-            async with trio.open_nursery() as closers:
-                for connection, reason in targets:
-                    closers.start_soon(connection.close, code, reason)
+        """Start every closing handshake at once, then wait (each bounded by the
+        grace period), so one client slow to answer delays nobody."""
+        for connection, reason in targets:
+            connection.ws.close_soon(code, reason)
+        for connection, _ in targets:
+            await connection.ws.wait_closed()

@@ -42,8 +42,10 @@ class ServerConfig:
     max_frame_bytes: int = 256 * 1024
     # A scope's actor stops after this long without commands (restarted on demand).
     actor_idle_seconds: float = 30.0
-    # Realtime: events buffered per connection before it is cut off as a slow consumer,
-    # and how long one push may block.
+    # Realtime: a connection is cut off as a slow consumer past this many unsent bytes,
+    # or this many live events waiting behind a replay, or when one replay write
+    # blocks this long.
+    push_buffer_bytes: int = 1024 * 1024
     push_buffer_events: int = 1024
     push_timeout_seconds: float = 10.0
     max_subscriptions_per_connection: int = 100

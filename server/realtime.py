@@ -1,35 +1,45 @@
 """Per-connection realtime delivery: subscriptions, resume and pushes.
 
-Each subscribed connection has one hub Subscription (bounded) and one pusher
-task.  The pusher keeps cursors — the last seq sent per followed scope and
-the last workspace_global_seq sent on the workspace feed — and the durable
-log is the buffer: a resume cursor, or a gap between the cursor and a live
-event, is filled from the database before the live event is sent; anything
-at or below the cursor is dropped.  So every committed message reaches the
-connection once, in order, however long it was away.
+A subscribed connection has one PushState: the hub's sink for it.  It keeps
+cursors — the last seq sent per followed scope and the last
+workspace_global_seq sent on the workspace feed — and the durable log is the
+buffer: a resume cursor, or a gap between a cursor and a live event, is filled
+from the database before the live event is sent; anything at or below the
+cursor is dropped.  So every committed message reaches the connection once, in
+order, however long it was away.
 
-A connection that cannot keep up (its hub buffer overflows, or one push
-blocks past `push_timeout_seconds`) is closed with 4408 slow_consumer; it
-resumes from its cursors.
+Fast path (every live event in order): the hub calls `deliver` from the
+committing task; the event's frame, encoded once per wire format and shared
+by every recipient, is gathered and written with the rest of the batch in one
+non-blocking write.  No task is involved.
+
+Slow path (a resume, or a gap): a replay task owns delivery until the gap is
+filled; live events meanwhile wait in a bounded backlog, and when it is empty
+the fast path takes over again.
+
+A connection that cannot keep up — more than `push_buffer_bytes` unsent, or a
+backlog past `push_buffer_events`, or a replay write blocked past
+`push_timeout_seconds` — is closed with 4408 slow_consumer and resumes from
+its cursors.  Nobody else waits for it.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from collections import deque
 from typing import TYPE_CHECKING
 
 import trio
-import trio_websocket
 
-from actors.fanout import CommittedEvent, Subscription
+from actors.fanout import CommittedEvent
 from actors.plan import CommittedMessage
 from protocol import frames as f
 from protocol.codec import encode
 from protocol.errors import ErrorCode, ProtocolError
 from server.messaging import _scope, message_info, scope_info
 from server.rbac import Permission
+from server.transport import ConnectionClosed
 from server.wire import server_frame
 from storage import messages
 
@@ -39,17 +49,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("scopewire.realtime")
 
 BACKFILL_PAGE = 200
-CATCH_UP = "_catch_up"  # internal marker: replay from the cursors now
-
-
-@dataclass
-class PushState:
-    workspace_id: str
-    member_id: str
-    subscription: Subscription
-    scope_cursors: dict[str, int] = field(default_factory=dict)
-    global_cursor: int | None = None
-    pusher_started: bool = False
+MESSAGE_CREATED = "message.created"
 
 
 def _message_data(message: CommittedMessage | object, event: str):
@@ -59,141 +59,213 @@ def _message_data(message: CommittedMessage | object, event: str):
     return info
 
 
-class Pusher:
-    def __init__(self, server: Server, connection: Connection, state: PushState) -> None:
+def shared_frame(event: CommittedEvent, binary: bool) -> bytes:
+    """The event's WebSocket frame in one wire format, built by its first recipient."""
+    frame = event.frames.get(binary)
+    if frame is None:
+        frame = event.frames[binary] = server_frame(encode(_event_frame(event), binary=binary), binary=binary)
+    return frame
+
+
+class PushState:
+    """One connection's subscriptions, cursors and delivery (the hub's Sink)."""
+
+    __slots__ = ("server", "connection", "workspace_id", "member_id", "subscription", "scope_cursors",
+                 "global_cursor", "_gathered", "_backlog", "_catch_up_due")
+
+    def __init__(self, server: Server, connection: Connection, workspace_id: str, member_id: str) -> None:
         self.server = server
         self.connection = connection
-        self.state = state
+        self.workspace_id = workspace_id
+        self.member_id = member_id
+        self.subscription = server.hub.subscribe(member_id, self)
+        self.scope_cursors: dict[str, int] = {}
+        self.global_cursor: int | None = None
+        self._gathered: list[bytes] = []
+        # Not None while the replay task owns delivery: live events wait here.
+        self._backlog: deque[CommittedEvent] | None = None
+        self._catch_up_due = False
 
-    async def run(self) -> None:
+    def stop(self) -> None:
+        self.server.hub.unsubscribe(self.subscription)
+        self._backlog = None
+
+    # --- the hub's sink: synchronous, never blocks --------------------------------------------
+
+    def deliver(self, event: CommittedEvent) -> None:
+        if self._backlog is not None:
+            if len(self._backlog) >= self.server.config.push_buffer_events:
+                self.cut_off("slow_consumer: event backlog overflow")
+            else:
+                self._backlog.append(event)
+            return
+        if event.event == MESSAGE_CREATED and event.seq is not None:
+            verdict = self._advance(event)
+            if verdict is None:
+                return  # already sent
+            if not verdict:
+                self._replay(event)  # a gap: fill it from the log first
+                return
+        self._gathered.append(shared_frame(event, self.connection.ws.binary))
+
+    def _advance(self, event: CommittedEvent) -> bool | None:
+        """Move the cursor over a live message: True (next in order), False (a
+        gap before it), None (at or below the cursor: a duplicate)."""
+        cursor = self.scope_cursors.get(event.scope_id)
+        if cursor is not None:
+            if event.seq <= cursor:
+                return None
+            if event.seq != cursor + 1:
+                return False
+            self.scope_cursors[event.scope_id] = event.seq
+            if self.global_cursor is not None and event.global_seq == self.global_cursor + 1:
+                self.global_cursor = event.global_seq
+            return True
+        if self.global_cursor is None:
+            return None
+        if event.global_seq <= self.global_cursor:
+            return None
+        if event.global_seq != self.global_cursor + 1:
+            return False
+        self.global_cursor = event.global_seq
+        return True
+
+    def skip(self, event: CommittedEvent) -> None:
+        # A message elsewhere in the workspace is the feed's next step, not a gap.
+        if (self._backlog is None and event.event == MESSAGE_CREATED and self.global_cursor is not None
+                and event.global_seq == self.global_cursor + 1 and event.scope_id not in self.scope_cursors):
+            self.global_cursor = event.global_seq
+
+    def flush(self) -> None:
+        if not self._gathered:
+            return
+        ws = self.connection.ws
+        ws.write(self._gathered)
+        self._gathered.clear()
+        if ws.backlog > self.server.config.push_buffer_bytes:
+            self.cut_off("slow_consumer: send buffer overflow")
+
+    def cut_off(self, reason: str) -> None:
+        """Stop delivering and close with 4408 after what is already queued; a
+        client that does not finish the closing handshake in time is dropped.
+        Either way it resumes from its cursors."""
+        log.info("cutting off slow consumer", extra={"connection": self.connection.id, "why": reason})
+        self.stop()
+        self._gathered.clear()
+        self.connection.ws.close_soon(f.CLOSE_SLOW_CONSUMER, reason)
+
+    # --- the slow path: replay from the durable log --------------------------------------------
+
+    def catch_up(self) -> None:
+        """Replay what the cursors missed, in order, before anything live."""
+        self._catch_up_due = True
+        self._replay(None)
+
+    def _replay(self, first: CommittedEvent | None) -> None:
+        if self._backlog is None:
+            self._backlog = deque()
+            self.server.spawn(self._run_replay)
+        if first is not None:
+            self._backlog.append(first)
+
+    async def _run_replay(self) -> None:
+        # Starts after the current publication has flushed, so order holds.
         try:
-            async for event in self.state.subscription.receive:
-                await self._handle(event)
-            if self.state.subscription.overflowed:
-                await self._cut_off("slow_consumer: event buffer overflow")
+            while self._backlog is not None:
+                if self._catch_up_due:
+                    self._catch_up_due = False
+                    await self._catch_up()
+                elif self._backlog:
+                    await self._replay_event(self._backlog.popleft())
+                else:
+                    self._backlog = None  # caught up: back to the fast path
+        except ConnectionClosed:
+            self.stop()
         except trio.TooSlowError:
-            # A push was cancelled mid-frame: the stream cannot carry a close frame
-            # any more, so the connection is aborted (the client sees 1006).
-            self.server.hub.unsubscribe(self.state.subscription)
-            await self.connection.abort()
-        except trio_websocket.ConnectionClosed:
-            pass
+            self.cut_off("slow_consumer: replay blocked")
         except Exception:  # e.g. the database went away mid-replay: the client resumes later
-            log.exception("pusher failed", extra={"connection": self.connection.id})
-            await self._cut_off("unavailable: delivery failed, resume from your cursors")
+            log.exception("replay failed", extra={"connection": self.connection.id})
+            self.stop()
+            self.connection.ws.close_soon(f.CLOSE_SLOW_CONSUMER, "unavailable: delivery failed, resume from your cursors")
 
-    async def _cut_off(self, reason: str) -> None:
-        log.info("cutting off slow consumer", extra={"connection": self.connection.id})
-        self.server.hub.unsubscribe(self.state.subscription)
-        with trio.move_on_after(self.server.config.shutdown_grace_seconds):
-            try:
-                await self.connection.close(f.CLOSE_SLOW_CONSUMER, reason[:120])
-            except trio_websocket.ConnectionClosed:
-                pass
-
-    async def _push(self, frame: f.Event) -> None:
+    async def _write(self, frame: bytes) -> None:
         with trio.fail_after(self.server.config.push_timeout_seconds):
-            await self.connection.send(frame)
+            await self.connection.ws.send(frame)
 
-    async def _push_shared(self, event: CommittedEvent) -> None:
-        """The live fast path: the event's frame is encoded and framed once for
-        all recipients using this wire format."""
-        binary = self.connection.binary
-        frame = event.frames.get(binary)
-        if frame is None:
-            frame = event.frames[binary] = server_frame(encode(_event_frame(event), binary=binary), binary=binary)
-        # No per-push cancel scope on this hot path: a pusher stuck on a dead
-        # socket is caught by the overflow of its bounded buffer instead.
-        await self.connection.send_frame(frame)
-
-    async def _handle(self, event: CommittedEvent) -> None:
-        if event.event == CATCH_UP:
-            await self._catch_up()
+    async def _replay_event(self, event: CommittedEvent) -> None:
+        if event.event != MESSAGE_CREATED or event.seq is None:
+            await self._write(shared_frame(event, self.connection.ws.binary))
             return
-        if event.seq is None or event.event != "message.created":
-            await self._push_shared(event)
-            return
-        await self._deliver_message(event)
-
-    async def _deliver_message(self, event: CommittedEvent) -> None:
-        """Send one live message event through the cursors: fill a gap from the
-        database first, drop what was already sent.  Followed scopes go by their
-        seq cursor; everything else on the workspace feed by the global cursor."""
-        state = self.state
         message: CommittedMessage = event.data
-        if message.scope_id in state.scope_cursors:
-            if message.seq > state.scope_cursors[message.scope_id] + 1:
+        if message.scope_id in self.scope_cursors:
+            if message.seq > self.scope_cursors[message.scope_id] + 1:
                 await self._fill_scope(message.scope_id, message.seq - 1)
-            if message.seq > state.scope_cursors[message.scope_id]:
-                await self._push_shared(event)
-                state.scope_cursors[message.scope_id] = message.seq
-        elif state.global_cursor is not None:
-            if message.workspace_global_seq > state.global_cursor + 1:
+        elif self.global_cursor is not None:
+            if message.workspace_global_seq > self.global_cursor + 1:
                 await self._fill_workspace(message.workspace_global_seq - 1)
-            if message.workspace_global_seq > state.global_cursor:
-                await self._push_shared(event)
-                state.global_cursor = message.workspace_global_seq
+        if self._advance_past(event):
+            await self._write(shared_frame(event, self.connection.ws.binary))
 
-    async def _send_message(self, message, kind: str = "message.created") -> None:
+    def _advance_past(self, event: CommittedEvent) -> bool:
+        """After a fill: is the event still new?  Moves its cursor to it."""
+        if event.scope_id in self.scope_cursors:
+            if event.seq <= self.scope_cursors[event.scope_id]:
+                return False
+            self.scope_cursors[event.scope_id] = event.seq
+            return True
+        if self.global_cursor is None or event.global_seq <= self.global_cursor:
+            return False
+        self.global_cursor = event.global_seq
+        return True
+
+    async def _send_message(self, message, kind: str = MESSAGE_CREATED) -> None:
         get = (lambda k: getattr(message, k)) if isinstance(message, CommittedMessage) else message.__getitem__
         scope_id, seq, global_seq = get("scope_id"), get("seq"), get("workspace_global_seq")
-        await self._push(f.Event(event=kind, workspace_id=self.state.workspace_id, scope_id=scope_id,
-                                 data=_message_data(message, kind), seq=seq, global_seq=global_seq))
-        if scope_id in self.state.scope_cursors:
-            self.state.scope_cursors[scope_id] = seq
-        elif self.state.global_cursor is not None:
-            self.state.global_cursor = global_seq
+        frame = f.Event(event=kind, workspace_id=self.workspace_id, scope_id=scope_id,
+                        data=_message_data(message, kind), seq=seq, global_seq=global_seq)
+        binary = self.connection.ws.binary
+        await self._write(server_frame(encode(frame, binary=binary), binary=binary))
+        if scope_id in self.scope_cursors:
+            self.scope_cursors[scope_id] = seq
+        elif self.global_cursor is not None:
+            self.global_cursor = global_seq
 
     async def _catch_up(self) -> None:
-        for scope_id in list(self.state.scope_cursors):
+        for scope_id in list(self.scope_cursors):
             await self._fill_scope(scope_id, None)
-        if self.state.global_cursor is not None:
+        if self.global_cursor is not None:
             await self._fill_workspace(None)
 
     async def _fill_scope(self, scope_id: str, through: int | None) -> None:
         """Replay the durable log after the scope cursor (through `through`)."""
         db = self.server.db
-        while True:
-            cursor = self.state.scope_cursors[scope_id]
-            rows, has_more = await db.run(messages.history, self.state.workspace_id, self.state.member_id, scope_id,
+        while scope_id in self.scope_cursors:
+            cursor = self.scope_cursors[scope_id]
+            rows, has_more = await db.run(messages.history, self.workspace_id, self.member_id, scope_id,
                                           before_seq=None, after_seq=cursor, limit=BACKFILL_PAGE)
             for row in rows:
                 if through is not None and row["seq"] > through:
                     return
-                await self._send_message(_with_workspace(row, self.state.workspace_id))
+                await self._send_message(_with_workspace(row, self.workspace_id))
             if not has_more or not rows:
                 return
 
     async def _fill_workspace(self, through: int | None) -> None:
         db = self.server.db
-        while True:
-            cursor = self.state.global_cursor
-            rows = await db.run(messages.workspace_feed, self.state.workspace_id, self.state.member_id, cursor,
+        while self.global_cursor is not None:
+            cursor = self.global_cursor
+            rows = await db.run(messages.workspace_feed, self.workspace_id, self.member_id, cursor,
                                 BACKFILL_PAGE)
             for row in rows:
                 if through is not None and row["workspace_global_seq"] > through:
                     return
-                if row["scope_id"] in self.state.scope_cursors:
+                if row["scope_id"] in self.scope_cursors:
                     # A followed scope is delivered by its own cursor; just step over it.
-                    self.state.global_cursor = row["workspace_global_seq"]
+                    self.global_cursor = row["workspace_global_seq"]
                 else:
-                    await self._send_message(_with_workspace(row, self.state.workspace_id))
+                    await self._send_message(_with_workspace(row, self.workspace_id))
             if len(rows) < BACKFILL_PAGE:
                 return
-
-
-async def _abort_slow(connection: Connection) -> None:
-    """The buffer overflowed: close with 4408 if the stream can still carry a
-    close frame soon, else drop it (a pusher stuck mid-write holds the stream).
-    Either way the client resumes from its cursors."""
-    log.info("cutting off slow consumer", extra={"connection": connection.id})
-    with trio.move_on_after(1.0):
-        try:
-            await connection.close(f.CLOSE_SLOW_CONSUMER, "slow_consumer: event buffer overflow")
-            return
-        except trio_websocket.ConnectionClosed:
-            return
-    await connection.abort()
 
 
 def _event_frame(event: CommittedEvent) -> f.Event:
@@ -221,10 +293,7 @@ async def subscribe(server: Server, connection: Connection, request: f.Subscribe
     if total > server.config.max_subscriptions_per_connection:
         raise ProtocolError(ErrorCode.RATE_LIMITED, "too many subscriptions on this connection")
     if state is None:
-        state = PushState(workspace.workspace_id, workspace.member_id,
-                          server.hub.subscribe(workspace.member_id, buffer=server.config.push_buffer_events))
-        state.subscription.on_overflow = lambda: connection.nursery.start_soon(_abort_slow, connection)
-        connection.push = state
+        state = connection.push = PushState(server, connection, workspace.workspace_id, workspace.member_id)
     for row, after_seq in scopes:
         state.scope_cursors[row["id"]] = after_seq if after_seq is not None else row["latest_seq"]
         server.hub.follow_scope(state.subscription, row["id"])
@@ -233,14 +302,7 @@ async def subscribe(server: Server, connection: Connection, request: f.Subscribe
         current_global = await server.db.run(messages.workspace_global_tail, workspace.workspace_id)
         state.global_cursor = request.after_global_seq if request.after_global_seq is not None else current_global
         server.hub.follow_workspace(state.subscription, workspace.workspace_id)
-    if not state.pusher_started:
-        state.pusher_started = True
-        connection.nursery.start_soon(Pusher(server, connection, state).run)
-    # Replay what the cursors missed, in order, before anything live.
-    try:
-        state.subscription.send.send_nowait(CommittedEvent(CATCH_UP, workspace.workspace_id, "", None, None, None))
-    except trio.WouldBlock:
-        pass  # the buffer is full: the pusher is already behind and will be cut off
+    state.catch_up()
     return f.SubscribeResult(scopes=[scope_info(row, True) for row, _ in scopes],
                              workspace_feed=state.global_cursor is not None, workspace_global_seq=current_global)
 

@@ -1,0 +1,373 @@
+"""WebSocket connections on trio, shaped for fanout (RFC 6455 through wsproto).
+
+Why not trio-websocket on the server side: every one of its connections is a
+nursery, a reader task, channels, events and a stream lock, and every send is
+awaited under that lock.  Fanout wants the opposite: one publisher writing a
+prepared frame to a thousand sockets without a task switch.  So a connection
+here is a non-blocking socket, a wsproto parser for what the client sends, and
+an outgoing buffer:
+
+* `write(frames)` is synchronous.  With nothing queued it goes straight to the
+  kernel (`send`, or `sendmsg` for several frames: one syscall per batch);
+  whatever the kernel does not take waits in the buffer, drained in order by a
+  flush task that exists only while there is a backlog.
+* the connection's own task calls `receive()`: it parses client frames,
+  answers pings and runs the closing handshake.
+* `close_soon()` queues a close frame and gives the peer `close_grace` seconds
+  to answer before the socket is dropped; `abort()` drops it at once.
+
+Server frames are never compressed (no extensions are negotiated), so one
+frame's bytes are valid on every connection (server/wire.py).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import socket
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import trio
+from wsproto.connection import Connection as FrameParser
+from wsproto.connection import ConnectionState, ConnectionType
+from wsproto.events import (AcceptConnection, BytesMessage, CloseConnection, Ping, Pong, RejectConnection, Request,
+                            TextMessage)
+from wsproto.handshake import H11Handshake
+from wsproto.utilities import RemoteProtocolError
+
+log = logging.getLogger("scopewire.transport")
+
+RECV_BYTES = 64 * 1024
+# sendmsg takes at most IOV_MAX (1024 on Linux) buffers per call.
+MAX_IOV = 512
+CLOSE_ABNORMAL = 1006
+CLOSE_MESSAGE_TOO_BIG = 1009
+
+
+class ConnectionClosed(Exception):
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+class WebSocket:
+    """One accepted WebSocket connection (server side)."""
+
+    __slots__ = ("_sock", "_parser", "subprotocol", "binary", "_spawn", "_max_message_bytes", "_close_grace",
+                 "_out", "_flushing", "_drained", "_parts", "_parts_size", "_closing", "_closed", "_closed_event",
+                 "_close_deadline", "_read_scope", "close_code", "awaiting_pong")
+
+    def __init__(self, sock: socket.socket, parser: FrameParser, subprotocol: str | None, *,
+                 spawn: Callable[..., Any], max_message_bytes: int, close_grace: float) -> None:
+        self._sock = sock
+        self._parser = parser
+        self.subprotocol = subprotocol
+        self.binary = False
+        self._spawn = spawn  # starts the flush task in the server's nursery
+        self._max_message_bytes = max_message_bytes
+        self._close_grace = close_grace
+        self._out = bytearray()
+        self._flushing = False
+        self._drained: trio.Event | None = None
+        self._parts: list[Any] = []
+        self._parts_size = 0
+        self._closing = False   # a close frame was queued: nothing more is written
+        self._closed = False    # the socket is closed
+        self._closed_event: trio.Event | None = None
+        self._close_deadline = float("inf")
+        self._read_scope: trio.CancelScope | None = None
+        self.close_code: int | None = None
+        self.awaiting_pong = False
+
+    # --- writing ---------------------------------------------------------------------------
+
+    @property
+    def backlog(self) -> int:
+        """Bytes accepted by `write` that the kernel has not taken yet."""
+        return len(self._out)
+
+    @property
+    def closing(self) -> bool:
+        return self._closing or self._closed
+
+    def write(self, frames: list[bytes] | tuple[bytes, ...]) -> bool:
+        """Queue whole frames for the peer, in order, without blocking.  False if
+        the connection no longer sends (closing or closed)."""
+        if self._closing or self._closed:
+            return False
+        self._write(frames)
+        return True
+
+    def _write(self, frames: Iterable[bytes]) -> None:
+        if self._out:
+            for frame in frames:
+                self._out += frame
+            return
+        if not isinstance(frames, (list, tuple)):
+            frames = list(frames)
+        for start in range(0, len(frames), MAX_IOV):
+            chunk = frames[start:start + MAX_IOV]
+            try:
+                sent = self._sock.send(chunk[0]) if len(chunk) == 1 else self._sock.sendmsg(chunk)
+            except BlockingIOError:
+                sent = 0
+            except OSError:
+                self.abort()
+                return
+            for frame in chunk:
+                if sent >= len(frame):
+                    sent -= len(frame)
+                else:
+                    self._out += memoryview(frame)[sent:]
+                    sent = 0
+            if self._out:
+                for frame in frames[start + MAX_IOV:]:
+                    self._out += frame
+                break
+        if self._out and not self._flushing:
+            self._flushing = True
+            self._spawn(self._flush)
+
+    async def _flush(self) -> None:
+        try:
+            while self._out and not self._closed:
+                try:
+                    await trio.lowlevel.wait_writable(self._sock)
+                    sent = self._sock.send(self._out)
+                except BlockingIOError:
+                    continue
+                except (OSError, trio.ClosedResourceError):
+                    self.abort()
+                    return
+                del self._out[:sent]
+                self._wake_drained()
+        finally:
+            self._flushing = False
+            self._wake_drained()
+
+    def _wake_drained(self) -> None:
+        if self._drained is not None and (len(self._out) < RECV_BYTES or self._closed):
+            self._drained.set()
+            self._drained = None
+
+    async def send(self, frame: bytes, *, high_water: int = 4 * RECV_BYTES) -> None:
+        """Write one frame, then wait while more than `high_water` bytes are
+        queued: request replies and replays push back on their own client."""
+        if not self.write((frame,)):
+            raise ConnectionClosed(self.close_code or CLOSE_ABNORMAL)
+        while len(self._out) > high_water and not self._closed:
+            if self._drained is None:
+                self._drained = trio.Event()
+            await self._drained.wait()
+        if self._closed:
+            raise ConnectionClosed(self.close_code or CLOSE_ABNORMAL)
+
+    def ping(self) -> None:
+        if not self.closing and self._parser.state is ConnectionState.OPEN:
+            self.awaiting_pong = True
+            self._write((self._parser.send(Ping(b"hb")),))
+
+    # --- closing ---------------------------------------------------------------------------
+
+    def close_soon(self, code: int, reason: str = "") -> None:
+        """Queue a close frame after what is already queued; the peer has
+        `close_grace` seconds to answer before the socket is dropped."""
+        if self.closing:
+            return
+        reason = reason.encode()[:120].decode(errors="ignore")
+        if self._parser.state in (ConnectionState.OPEN, ConnectionState.REMOTE_CLOSING):
+            self._write((self._parser.send(CloseConnection(code=code, reason=reason)),))
+        self._closing = True
+        self.close_code = code
+        self._close_deadline = trio.current_time() + self._close_grace
+        if self._read_scope is not None:
+            self._read_scope.deadline = self._close_deadline
+
+    async def close(self, code: int, reason: str = "") -> None:
+        """Close and wait (at most the grace period) until the socket is closed."""
+        self.close_soon(code, reason)
+        await self.wait_closed()
+
+    async def wait_closed(self) -> None:
+        if not self._closed:
+            if self._closed_event is None:
+                self._closed_event = trio.Event()
+            with trio.move_on_at(self._close_deadline + 0.1):
+                await self._closed_event.wait()
+
+    def abort(self) -> None:
+        """Drop the socket now, without a closing handshake."""
+        if self._closed:
+            return
+        self._closed = True
+        self._closing = True
+        if self.close_code is None:
+            self.close_code = CLOSE_ABNORMAL
+        self._out = bytearray()
+        trio.lowlevel.notify_closing(self._sock)
+        self._sock.close()
+        self._wake_drained()
+        if self._closed_event is not None:
+            self._closed_event.set()
+        if self._read_scope is not None:
+            self._read_scope.cancel()
+
+    async def _finish(self) -> None:
+        """The closing handshake is done: let queued bytes (the close frame) go, then close."""
+        with trio.move_on_at(self._close_deadline if self._closing else trio.current_time() + self._close_grace):
+            while self._out and not self._closed:
+                if self._drained is None:
+                    self._drained = trio.Event()
+                await self._drained.wait()
+        if not self._closed:
+            try:
+                self._sock.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+        self.abort()
+
+    # --- reading ---------------------------------------------------------------------------
+
+    async def receive(self) -> str | bytes:
+        """The next whole message from the client.  Pings are answered here and
+        the closing handshake completed; then ConnectionClosed is raised."""
+        while True:
+            message = await self._next_message()
+            if message is not None:
+                return message
+            if self._closed:
+                raise ConnectionClosed(self.close_code or CLOSE_ABNORMAL)
+            with trio.CancelScope(deadline=self._close_deadline) as scope:
+                self._read_scope = scope
+                try:
+                    await trio.lowlevel.wait_readable(self._sock)
+                except trio.ClosedResourceError:
+                    pass
+            self._read_scope = None
+            if scope.cancelled_caught or self._closed:
+                self.abort()  # the peer did not finish the closing handshake in time
+                raise ConnectionClosed(self.close_code or CLOSE_ABNORMAL)
+            try:
+                data = self._sock.recv(RECV_BYTES)
+            except BlockingIOError:
+                continue
+            except OSError:
+                data = b""
+            if self._parser.state is ConnectionState.CLOSED:  # defensive: the handshake is over
+                self.abort()
+                raise ConnectionClosed(self.close_code or CLOSE_ABNORMAL)
+            self._parser.receive_data(data or None)
+
+    async def _next_message(self) -> str | bytes | None:
+        for event in self._parser.events():
+            if isinstance(event, (TextMessage, BytesMessage)):
+                if self._closing:
+                    continue
+                self._parts.append(event.data)
+                self._parts_size += len(event.data)
+                if self._parts_size > self._max_message_bytes:
+                    self._parts, self._parts_size = [], 0
+                    self.close_soon(CLOSE_MESSAGE_TOO_BIG, "message too big")
+                    continue
+                if event.message_finished:
+                    parts, self._parts, self._parts_size = self._parts, [], 0
+                    if isinstance(event, TextMessage):
+                        return parts[0] if len(parts) == 1 else "".join(parts)
+                    return parts[0] if len(parts) == 1 else b"".join(parts)
+            elif isinstance(event, Ping):
+                if not self.closing:
+                    self._write((self._parser.send(Pong(event.payload)),))
+            elif isinstance(event, Pong):
+                self.awaiting_pong = False
+            elif isinstance(event, CloseConnection):
+                await self._closed_by_peer(event)
+                raise ConnectionClosed(self.close_code or CLOSE_ABNORMAL)
+        return None
+
+    async def _closed_by_peer(self, event: CloseConnection) -> None:
+        state = self._parser.state
+        if self.close_code is None:
+            self.close_code = event.code
+        if state in (ConnectionState.REMOTE_CLOSING, ConnectionState.OPEN) and not self._closed:
+            # The peer started the closing handshake (REMOTE_CLOSING) or broke the
+            # protocol (OPEN: wsproto reports a parse failure as a close): answer.
+            reply = event.response() if state is ConnectionState.REMOTE_CLOSING else event
+            self._out_close(self._parser.send(reply))
+        await self._finish()
+
+    def _out_close(self, frame: bytes) -> None:
+        if not self._closed:
+            self._write((frame,))
+        self._closing = True
+
+
+# --- accepting -------------------------------------------------------------------------------
+
+
+async def open_listeners(host: str, port: int) -> list[trio.SocketListener]:
+    return await trio.open_tcp_listeners(port, host=host)
+
+
+async def accept_loop(listener: trio.SocketListener, handle: Callable[[socket.socket], Any],
+                      nursery: trio.Nursery) -> None:
+    """Accept TCP connections and start `handle(sock)` for each as its own task."""
+    while True:
+        try:
+            stream = await listener.accept()
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS):
+                log.warning("accept failed: %s; retrying shortly", exc)
+                await trio.sleep(0.1)  # back off until descriptors free up (not a synchronization)
+                continue
+            raise
+        # Keep the plain non-blocking socket: writes are made synchronously from
+        # the publishing task (see the module docstring).
+        sock = socket.socket(fileno=stream.socket.detach())
+        sock.setblocking(False)
+        nursery.start_soon(handle, sock)
+
+
+async def handshake(sock: socket.socket, *, deadline: float, choose_subprotocol: Callable[[list[str]], str | None],
+                    spawn: Callable[..., Any], max_message_bytes: int, close_grace: float) -> WebSocket | None:
+    """Run the HTTP upgrade.  None (socket closed) when the client does not
+    complete a valid WebSocket handshake by `deadline`."""
+    upgrade = H11Handshake(ConnectionType.SERVER)
+    with trio.move_on_at(deadline):
+        while True:
+            try:
+                await trio.lowlevel.wait_readable(sock)
+                data = sock.recv(RECV_BYTES)
+            except BlockingIOError:
+                continue
+            except OSError:
+                break
+            if not data:
+                break
+            try:
+                upgrade.receive_data(data)
+                request = next((e for e in upgrade.events() if isinstance(e, Request)), None)
+            except RemoteProtocolError as exc:
+                hint = exc.event_hint if isinstance(exc.event_hint, RejectConnection) else RejectConnection()
+                await _send_all(sock, upgrade.send(hint))
+                break
+            if request is None:
+                continue
+            subprotocol = choose_subprotocol(list(request.subprotocols))
+            await _send_all(sock, upgrade.send(AcceptConnection(subprotocol=subprotocol)))
+            parser = upgrade.connection
+            assert parser is not None
+            return WebSocket(sock, parser, subprotocol, spawn=spawn, max_message_bytes=max_message_bytes,
+                             close_grace=close_grace)
+    trio.lowlevel.notify_closing(sock)
+    sock.close()
+    return None
+
+
+async def _send_all(sock: socket.socket, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[sock.send(view):]
+        except BlockingIOError:
+            await trio.lowlevel.wait_writable(sock)
