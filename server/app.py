@@ -72,9 +72,6 @@ class Connection:
         binary = self.ws.binary
         await self.ws.send(server_frame(encode(frame, binary=binary), binary=binary))
 
-    async def close(self, code: int, reason: str) -> None:
-        await self.ws.close(code, reason)
-
 
 class ConnectionRegistry:
     """Live authenticated connections, indexed by what can revoke them."""
@@ -209,7 +206,7 @@ class Server:
             if raw is None:
                 await connection.send(error_frame(ProtocolError(ErrorCode.UNAUTHENTICATED, "authentication timeout"),
                                                   None))
-                await connection.close(frames.CLOSE_UNAUTHENTICATED, "authentication timeout")
+                ws.close_soon(frames.CLOSE_UNAUTHENTICATED, "authentication timeout")
                 await self._drain_until_closed(ws)
                 return
             connection.last_inbound = trio.current_time()

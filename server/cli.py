@@ -80,7 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
             ("--commands-per-second", "COMMANDS_PER_SECOND", "1000", "per-connection command rate (token bucket)"),
             ("--max-connections-per-member", "MAX_CONNECTIONS_PER_MEMBER", "10000", "live connections per member"),
             ("--idle-timeout", "IDLE_TIMEOUT", "600", "seconds without a client frame before closing (4400)"),
-            ("--heartbeat", "HEARTBEAT", "30", "seconds between server pings")):
+            ("--heartbeat", "HEARTBEAT", "30", "seconds between server pings"),
+            ("--heartbeat-timeout", "HEARTBEAT_TIMEOUT", "20", "seconds a ping may go unanswered before aborting"),
+            ("--max-frame-bytes", "MAX_FRAME_BYTES", "262144", "largest client message (larger: closed with 1009)"),
+            ("--max-subscriptions", "MAX_SUBSCRIPTIONS", "100", "scope subscriptions per connection"),
+            ("--push-buffer-bytes", "PUSH_BUFFER_BYTES", "1048576", "unsent bytes before a slow consumer is cut off"),
+            ("--push-buffer-events", "PUSH_BUFFER_EVENTS", "1024", "live events held behind a replay before cut-off"),
+            ("--push-timeout", "PUSH_TIMEOUT", "10", "seconds a replay write may block before cut-off")):
         serve.add_argument(flag, type=float, default=float(_env(env, default)), help=f"{text} (default: %(default)s)")
     serve.add_argument("--session-key-file", type=Path, default=_env("SESSION_KEY_FILE"),
                        help="Ed25519 key that signs session tokens (default: DATA_DIR/session-signing-key.pem); "
@@ -125,7 +131,13 @@ def _serve(args: argparse.Namespace) -> int:
                                  commands_per_second=args.commands_per_second,
                                  command_burst=int(2 * args.commands_per_second),
                                  max_connections_per_member=int(args.max_connections_per_member),
-                                 idle_timeout_seconds=args.idle_timeout, heartbeat_seconds=args.heartbeat)
+                                 idle_timeout_seconds=args.idle_timeout, heartbeat_seconds=args.heartbeat,
+                                 heartbeat_timeout_seconds=args.heartbeat_timeout,
+                                 max_frame_bytes=int(args.max_frame_bytes),
+                                 max_subscriptions_per_connection=int(args.max_subscriptions),
+                                 push_buffer_bytes=int(args.push_buffer_bytes),
+                                 push_buffer_events=int(args.push_buffer_events),
+                                 push_timeout_seconds=args.push_timeout)
     with provisioned(config) as target:
         trio.run(_serve_async, target, config, server_config, _session_key_file(args, config))
     log.info("stopped")

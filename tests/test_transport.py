@@ -1,0 +1,149 @@
+"""The server's WebSocket transport (server/transport.py) at the byte level,
+driven by a raw socket and wsproto as the client: handshakes, control frames,
+fragmentation, protocol violations and the closing handshake.  After every
+misbehaving client the server still serves the next one."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import trio
+from wsproto import ConnectionType, WSConnection
+from wsproto.events import AcceptConnection, CloseConnection, Message, Ping, Pong, Request, TextMessage
+
+from protocol import frames
+from tests.conftest import App
+
+
+class RawClient:
+    """A WebSocket client with nothing hidden: wsproto over a trio stream."""
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self.ws = WSConnection(ConnectionType.CLIENT)
+        self.pending: list = []
+
+    @classmethod
+    async def open(cls, app: App, subprotocols: list[str] | None = None) -> tuple[RawClient, object]:
+        client = cls(await trio.open_tcp_stream("127.0.0.1", app.server.port))
+        await client.stream.send_all(client.ws.send(Request(host="localhost", target="/",
+                                                           subprotocols=subprotocols or [])))
+        return client, await client.next_event()
+
+    async def send(self, event) -> None:
+        await self.stream.send_all(self.ws.send(event))
+
+    async def next_event(self):
+        with trio.fail_after(10):
+            while not self.pending:
+                data = await self.stream.receive_some(65536)
+                self.ws.receive_data(data or None)
+                self.pending.extend(self.ws.events())
+        return self.pending.pop(0)
+
+    async def next_message(self) -> dict:
+        event = await self.next_event()
+        assert isinstance(event, TextMessage) and event.message_finished, event
+        return json.loads(event.data)
+
+
+async def assert_still_serving(app: App) -> None:
+    client, accepted = await RawClient.open(app)
+    assert isinstance(accepted, AcceptConnection)
+    await client.send(Message(data=json.dumps({"op": "ping", "id": "alive"})))
+    assert (await client.next_message())["id"] == "alive"
+    await client.stream.aclose()
+
+
+async def test_subprotocol_is_negotiated(app: App):
+    client, accepted = await RawClient.open(app, ["other", "scopewire.json"])
+    assert isinstance(accepted, AcceptConnection) and accepted.subprotocol == "scopewire.json"
+    await client.stream.aclose()
+
+
+async def test_plain_http_is_rejected_and_the_server_lives_on(app: App):
+    stream = await trio.open_tcp_stream("127.0.0.1", app.server.port)
+    await stream.send_all(b"GET / HTTP/1.1\r\nHost: localhost\r\n\r\n")
+    response = b""
+    with trio.fail_after(10):
+        while chunk := await stream.receive_some(4096):
+            response += chunk
+    assert response.startswith(b"HTTP/1.1 400")
+    await assert_still_serving(app)
+
+
+async def test_a_handshake_that_never_finishes_is_dropped(app: App):
+    stream = await trio.open_tcp_stream("127.0.0.1", app.server.port)
+    await stream.send_all(b"GET / HTTP/1.1\r\nHost: localhost\r\n")  # never completed
+    with trio.fail_after(app.server.config.auth_timeout_seconds + 5):
+        assert await stream.receive_some(4096) == b""
+    await assert_still_serving(app)
+
+
+async def test_pings_are_answered_and_fragments_assembled(app: App):
+    client, _ = await RawClient.open(app)
+    await client.send(Ping(payload=b"are you there"))
+    pong = await client.next_event()
+    assert isinstance(pong, Pong) and pong.payload == b"are you there"
+    text = json.dumps({"op": "ping", "id": "fragmented", "padding": "é" * 300})
+    split = len(text) // 2
+    await client.send(Message(data=text[:split], message_finished=False))
+    await client.send(Ping(payload=b"between fragments"))  # control frames may interleave
+    await client.send(Message(data=text[split:], message_finished=True))
+    assert isinstance(await client.next_event(), Pong)
+    assert (await client.next_message())["id"] == "fragmented"
+    await client.stream.aclose()
+
+
+async def test_the_client_closing_handshake_is_answered(app: App):
+    client, _ = await RawClient.open(app)
+    await client.send(CloseConnection(code=1000, reason="bye"))
+    closing = await client.next_event()
+    assert isinstance(closing, CloseConnection) and closing.code == 1000
+    with trio.fail_after(10):
+        assert await client.stream.receive_some(4096) == b""  # then the server closes TCP
+    assert not app.server.connections.all
+
+
+@pytest.mark.parametrize("raw_frame, code", [
+    # An unmasked client frame (RFC 6455 §5.1: the server must fail the connection).
+    (struct.pack("!BB", 0x81, 2) + b"hi", 1002),
+    # A reserved opcode.
+    (struct.pack("!BB", 0x83, 0x80) + b"\0\0\0\0", 1002),
+    # Text that is not UTF-8.
+    (struct.pack("!BB", 0x81, 0x82) + b"\0\0\0\0" + b"\xff\xfe", 1007),
+])
+async def test_protocol_violations_close_with_the_rfc_code(app: App, raw_frame: bytes, code: int):
+    client, _ = await RawClient.open(app)
+    await client.stream.send_all(raw_frame)
+    closing = await client.next_event()
+    assert isinstance(closing, CloseConnection) and closing.code == code
+    await client.stream.aclose()
+    await assert_still_serving(app)
+
+
+async def test_server_close_codes_reach_a_raw_client(app: App):
+    # Unauthenticated past the timeout: an error frame, then close 4401.
+    client, _ = await RawClient.open(app)
+    error = await client.next_message()
+    assert error["type"] == "error" and error["code"] == "unauthenticated"
+    closing = await client.next_event()
+    assert isinstance(closing, CloseConnection) and closing.code == frames.CLOSE_UNAUTHENTICATED
+    await client.send(closing.response())
+    with trio.fail_after(10):
+        assert await client.stream.receive_some(4096) == b""
+
+
+async def test_a_rejected_handshake_gets_http_status(app: App):
+    stream = await trio.open_tcp_stream("127.0.0.1", app.server.port)
+    # A WebSocket upgrade without the key.
+    await stream.send_all(b"GET / HTTP/1.1\r\nHost: localhost\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                          b"Sec-WebSocket-Version: 13\r\n\r\n")
+    response = b""
+    with trio.fail_after(10):
+        while chunk := await stream.receive_some(4096):
+            response += chunk
+    assert response.split(b" ", 2)[1] in (b"400", b"426")
+    await assert_still_serving(app)
