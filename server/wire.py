@@ -2,8 +2,8 @@
 
 A server frame is unmasked (RFC 6455 §5.1), so the same bytes are valid on
 every connection: fanout encodes an event and frames it once per wire format
-instead of once per connection.  Written by hand because the library's send
-path (trio-websocket → wsproto) re-encodes and re-frames per connection.
+instead of once per connection.  Written by hand because wsproto's send path
+frames per connection (and keeps per-connection state we do not need here).
 """
 
 from __future__ import annotations

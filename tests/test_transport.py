@@ -10,10 +10,18 @@ import struct
 
 import pytest
 import trio
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, CloseConnection, Message, Ping, Pong, Request, TextMessage
 
 from protocol import frames
+from server.app import Server
+from server.auth import Authenticator
+from server.config import ServerConfig
+from server.credentials import SessionSigner
+from storage.bridge import Database
 from tests.conftest import App
 
 
@@ -147,3 +155,58 @@ async def test_a_rejected_handshake_gets_http_status(app: App):
             response += chunk
     assert response.split(b" ", 2)[1] in (b"400", b"426")
     await assert_still_serving(app)
+
+
+# --- any TCP segmentation of any mix of fragmented messages and pings ---------------------------
+
+message_plans = st.lists(
+    st.tuples(st.integers(min_value=1, max_value=4),      # fragments of this request
+              st.booleans(),                               # a ping right after its first fragment
+              st.text(max_size=40)),                       # padding (any unicode)
+    min_size=1, max_size=8)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
+@given(plan=message_plans, cuts=st.lists(st.integers(min_value=1, max_value=4096), max_size=12))
+def test_any_segmentation_of_the_byte_stream_gets_every_reply_in_order(database_dsn, plan, cuts):
+    trio.run(_segmented, database_dsn, plan, cuts)
+
+
+async def _segmented(dsn: str, plan: list, cuts: list[int]) -> None:
+    writer = WSConnection(ConnectionType.CLIENT)
+    wire = bytearray(writer.send(Request(host="localhost", target="/")))
+    handshake_size = len(wire)
+    pings = 0
+    for number, (fragments, ping, padding) in enumerate(plan):
+        text = json.dumps({"op": "ping", "id": str(number), "padding": padding}, ensure_ascii=False)
+        step = max(1, len(text) // fragments)
+        pieces = [text[i:i + step] for i in range(0, len(text), step)]
+        for index, piece in enumerate(pieces):
+            wire += writer.send(Message(data=piece, message_finished=index == len(pieces) - 1))
+            if ping and index == 0:
+                wire += writer.send(Ping(payload=str(number).encode()))
+                pings += 1
+    async with Database(dsn) as db, trio.open_nursery() as nursery:
+        server = Server(ServerConfig(port=0, shutdown_grace_seconds=1), db,
+                        Authenticator(db, SessionSigner(Ed25519PrivateKey.generate()), 3600))
+        port = await nursery.start(server.run)
+        client = RawClient(await trio.open_tcp_stream("127.0.0.1", port))
+        # The handshake goes alone (a client may not send frames before the 101);
+        # the frames after it are cut at arbitrary points.
+        await client.stream.send_all(wire[:handshake_size])
+        assert isinstance(await client.next_event(), AcceptConnection)
+        rest, offset = memoryview(wire)[handshake_size:], 0
+        for cut in sorted(set(cuts)) + [len(rest)]:
+            if cut > offset:
+                await client.stream.send_all(rest[offset:cut])
+                offset = cut
+        replies, pongs = [], 0
+        while len(replies) < len(plan) or pongs < pings:
+            event = await client.next_event()
+            if isinstance(event, Pong):
+                pongs += 1
+            else:
+                replies.append(json.loads(event.data)["id"])
+        assert replies == [str(n) for n in range(len(plan))]
+        await client.stream.aclose()
+        nursery.cancel_scope.cancel()
