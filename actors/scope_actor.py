@@ -146,6 +146,9 @@ class ScopeActor:
         self.stopped = False
         self._roster_dirty = False
         self._roster_set: frozenset[str] = frozenset()
+        # Messages delivered inline whose outbox rows are not marked yet: the mark
+        # rides in the next batch's transaction, or goes alone when the mailbox is empty.
+        self._unsettled: list[str] = []
 
     async def run(self) -> None:
         """Serve until idle; a crash fails the pending commands and ends the task
@@ -155,8 +158,14 @@ class ScopeActor:
             self._roster_set = frozenset(self.state.roster) if self.state else frozenset()
             while True:
                 first = None
-                with trio.move_on_after(self.idle_seconds):
-                    first = await self._inbox.receive()
+                if self._unsettled:
+                    try:
+                        first = self._inbox.receive_nowait()
+                    except trio.WouldBlock:
+                        await self._settle()
+                if first is None:
+                    with trio.move_on_after(self.idle_seconds):
+                        first = await self._inbox.receive()
                 if first is None:
                     return
                 batch = [first]
@@ -183,8 +192,9 @@ class ScopeActor:
             for command in batch:
                 command.reply.fail(NotFound("scope"))
             return
+        settling = list(self._unsettled)
         try:
-            outcomes = await self.db.transaction(self._apply_batch, batch)
+            outcomes = await self.db.transaction(self._apply_batch, batch, settling)
         except (StorageError, asyncpg.PostgresError) as exc:
             if len(batch) > 1 and isinstance(exc, asyncpg.PostgresError):
                 # One command broke the whole batch: run each alone so the rest commit.
@@ -194,6 +204,7 @@ class ScopeActor:
             for command in batch:
                 command.reply.fail(exc)
             return
+        del self._unsettled[:len(settling)]
         before = self._roster_set
         if self._roster_dirty or any(isinstance(c, (ChangeMembers, Archive)) for c in batch):
             self._roster_dirty = False
@@ -217,17 +228,24 @@ class ScopeActor:
                     self.state.latest_seq = max(self.state.latest_seq, event.seq)
         # One publication per batch: each connection gets the batch in one write.
         self.hub.publish_many(published)
-        if committed_message_ids:
-            try:
-                await self.db.transaction(applier.settle_inline_delivered, self.scope_id, committed_message_ids)
-            except DatabaseUnavailable:
-                pass  # the outbox worker replays after the grace period
+        self._unsettled.extend(committed_message_ids)
         if self.outbox_wake is not None and any(isinstance(c, (Edit, Withdraw)) for c in batch):
             self.outbox_wake()
 
-    async def _apply_batch(self, conn: asyncpg.Connection, batch: list[Command]) -> list[Any]:
+    async def _settle(self) -> None:
+        settling = list(self._unsettled)
+        try:
+            await self.db.transaction(applier.settle_inline_delivered, self.scope_id, settling)
+        except DatabaseUnavailable:
+            pass  # the outbox worker replays after the grace period
+        finally:
+            del self._unsettled[:len(settling)]
+
+    async def _apply_batch(self, conn: asyncpg.Connection, batch: list[Command], settling: list[str]) -> list[Any]:
         state = self.state
         assert state is not None
+        if settling:
+            await applier.settle_inline_delivered(conn, self.scope_id, settling)
         outcomes: list[Any] = [None] * len(batch)
         # One fence check per batch: the shared lock is held until commit (§10.3).
         fence = await tenancy.execution_state_for_share(conn, state.workspace_id)
