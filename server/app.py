@@ -18,9 +18,8 @@ import json
 import logging
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
-from functools import partial
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import trio
@@ -33,13 +32,13 @@ from actors.outbox_worker import OutboxWorker
 from actors.registry import ScopeRegistry
 from server import handlers
 from server.messaging import KeyedRateLimiter, TokenBucket
-from server.realtime import PushState
 from server import transport
-from server.transport import ConnectionClosed, WebSocket
-from server.wire import server_frame
 from server.auth import Authenticator
 from server.config import ServerConfig
 from server.context import Principal
+from server.realtime import PushState
+from server.transport import ConnectionClosed, WebSocket
+from server.wire import server_frame
 from storage import tenancy
 from storage.bridge import Database
 from storage.errors import Conflict, DatabaseUnavailable, Forbidden, NotFound, WriteFenced

@@ -457,6 +457,28 @@ async def test_membership_intervals_and_roster_generation(app: App, team):
         assert error.details["reason"] == "scope_archived"
 
 
+async def test_inline_deliveries_are_settled_without_a_transaction_of_their_own(app: App, team):
+    alpha, _, bob, _ = team
+    ws = {"workspace_id": alpha.workspace_id}
+    async with await signed_in(app, alpha.owner) as owner:
+        channel = await open_channel(owner, alpha.workspace_id, "settle", [bob.member_id])
+        sent = []
+
+        async def send(i: int) -> None:
+            sent.append((await owner.call("message.send", scope_id=channel["id"], content=f"m{i}", **ws))["id"])
+
+        async with trio.open_nursery() as nursery:
+            for i in range(30):
+                nursery.start_soon(send, i)
+        # The actor is sequential: once this send is answered, every earlier
+        # inline delivery was marked (in this batch's transaction, or alone when idle).
+        last = (await owner.call("message.send", scope_id=channel["id"], content="last", **ws))["id"]
+    statuses = dict(await app.db.run(lambda c: c.fetch(
+        "SELECT message_id, status FROM scope_fanout_outbox WHERE fanout_type = 'message.created'")))
+    assert {statuses[m] for m in sent} == {"delivered"}
+    assert statuses[last] in ("pending", "delivered")
+
+
 class ListSink:
     """A hub sink that keeps what it is handed."""
 
