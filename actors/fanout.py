@@ -33,15 +33,15 @@ class Sink(Protocol):
     """The receiving end of a subscription.  Every method is synchronous and
     must not block: the hub calls them from the committing actor's task."""
 
-    def deliver(self, event: CommittedEvent) -> None:
-        """An event the member is entitled to."""
+    def admit(self, event: CommittedEvent) -> bytes | None:
+        """An event the member is entitled to: the frame to write, or None."""
 
     def skip(self, event: CommittedEvent) -> None:
         """An event on a followed workspace that is not for this member (its
         workspace_global_seq is still a step of the feed's sequence)."""
 
-    def flush(self) -> None:
-        """The end of a publication: write what `deliver` gathered."""
+    def write(self, frames: list[bytes]) -> None:
+        """Write admitted frames, in order."""
 
 
 @dataclass(eq=False)
@@ -101,10 +101,10 @@ class FanoutHub:
     def publish_many(self, items: list[tuple[CommittedEvent, frozenset[str] | set[str] | None]]) -> None:
         """Hand each event, in order, to every subscriber entitled to it: a
         follower of the scope or of its workspace whose member is in the roster
-        (or the event's own audience).  Then each touched subscriber flushes
-        once, so a batch of events leaves in one write per connection.  Never
-        blocks."""
-        touched: dict[Subscription, None] = {}
+        (or the event's own audience).  A batch of events leaves in one write
+        per connection.  Never blocks."""
+        pending: dict[Subscription, list[bytes]] = {}
+        single = len(items) == 1
         for event, roster in items:
             self.published += 1
             entitled = event.audience if event.audience is not None else roster
@@ -121,8 +121,15 @@ class FanoutHub:
                 if entitled is not None and subscription.member_id not in entitled:
                     subscription.sink.skip(event)
                     continue
-                subscription.sink.deliver(event)
-                touched[subscription] = None
-        for subscription in touched:
+                frame = subscription.sink.admit(event)
+                if frame is None:
+                    continue
+                if single:
+                    subscription.sink.write([frame])
+                elif subscription in pending:
+                    pending[subscription].append(frame)
+                else:
+                    pending[subscription] = [frame]
+        for subscription, frames in pending.items():
             if subscription.active:
-                subscription.sink.flush()
+                subscription.sink.write(frames)

@@ -8,10 +8,10 @@ from the database before the live event is sent; anything at or below the
 cursor is dropped.  So every committed message reaches the connection once, in
 order, however long it was away.
 
-Fast path (every live event in order): the hub calls `deliver` from the
+Fast path (every live event in order): the hub calls `admit` from the
 committing task; the event's frame, encoded once per wire format and shared
-by every recipient, is gathered and written with the rest of the batch in one
-non-blocking write.  No task is involved.
+by every recipient, is written with the rest of the batch in one non-blocking
+write.  No task is involved.
 
 Slow path (a resume, or a gap): a replay task owns delivery until the gap is
 filled; live events meanwhile wait in a bounded backlog, and when it is empty
@@ -71,7 +71,7 @@ class PushState:
     """One connection's subscriptions, cursors and delivery (the hub's Sink)."""
 
     __slots__ = ("server", "connection", "workspace_id", "member_id", "subscription", "scope_cursors",
-                 "global_cursor", "_gathered", "_backlog", "_catch_up_due")
+                 "global_cursor", "_ws", "_binary", "_buffer_limit", "_backlog", "_catch_up_due")
 
     def __init__(self, server: Server, connection: Connection, workspace_id: str, member_id: str) -> None:
         self.server = server
@@ -81,7 +81,9 @@ class PushState:
         self.subscription = server.hub.subscribe(member_id, self)
         self.scope_cursors: dict[str, int] = {}
         self.global_cursor: int | None = None
-        self._gathered: list[bytes] = []
+        self._ws = connection.ws
+        self._binary = connection.ws.binary
+        self._buffer_limit = server.config.push_buffer_bytes
         # Not None while the replay task owns delivery: live events wait here.
         self._backlog: deque[CommittedEvent] | None = None
         self._catch_up_due = False
@@ -92,21 +94,23 @@ class PushState:
 
     # --- the hub's sink: synchronous, never blocks --------------------------------------------
 
-    def deliver(self, event: CommittedEvent) -> None:
+    def admit(self, event: CommittedEvent) -> bytes | None:
+        """The frame to write for this event now, or None (already sent, or
+        held behind a replay)."""
         if self._backlog is not None:
             if len(self._backlog) >= self.server.config.push_buffer_events:
                 self.cut_off("slow_consumer: event backlog overflow")
             else:
                 self._backlog.append(event)
-            return
+            return None
         if event.event == MESSAGE_CREATED and event.seq is not None:
             verdict = self._advance(event)
             if verdict is None:
-                return  # already sent
+                return None  # already sent
             if not verdict:
                 self._replay(event)  # a gap: fill it from the log first
-                return
-        self._gathered.append(shared_frame(event, self.connection.ws.binary))
+                return None
+        return event.frames.get(self._binary) or shared_frame(event, self._binary)
 
     def _advance(self, event: CommittedEvent) -> bool | None:
         """Move the cursor over a live message: True (next in order), False (a
@@ -136,13 +140,10 @@ class PushState:
                 and event.global_seq == self.global_cursor + 1 and event.scope_id not in self.scope_cursors):
             self.global_cursor = event.global_seq
 
-    def flush(self) -> None:
-        if not self._gathered:
-            return
-        ws = self.connection.ws
-        ws.write(self._gathered)
-        self._gathered.clear()
-        if ws.backlog > self.server.config.push_buffer_bytes:
+    def write(self, frames: list[bytes]) -> None:
+        ws = self._ws
+        ws.write(frames)
+        if ws.backlog > self._buffer_limit:
             self.cut_off("slow_consumer: send buffer overflow")
 
     def cut_off(self, reason: str) -> None:
@@ -151,7 +152,6 @@ class PushState:
         Either way it resumes from its cursors."""
         log.info("cutting off slow consumer", extra={"connection": self.connection.id, "why": reason})
         self.stop()
-        self._gathered.clear()
         self.connection.ws.close_soon(f.CLOSE_SLOW_CONSUMER, reason)
 
     # --- the slow path: replay from the durable log --------------------------------------------
@@ -186,7 +186,8 @@ class PushState:
         except Exception:  # e.g. the database went away mid-replay: the client resumes later
             log.exception("replay failed", extra={"connection": self.connection.id})
             self.stop()
-            self.connection.ws.close_soon(f.CLOSE_SLOW_CONSUMER, "unavailable: delivery failed, resume from your cursors")
+            self.connection.ws.close_soon(f.CLOSE_SLOW_CONSUMER,
+                                          "unavailable: delivery failed, resume from your cursors")
 
     async def _write(self, frame: bytes) -> None:
         with trio.fail_after(self.server.config.push_timeout_seconds):

@@ -96,6 +96,21 @@ class WebSocket:
         the connection no longer sends (closing or closed)."""
         if self._closing or self._closed:
             return False
+        if len(frames) == 1 and not self._out:  # the common case, kept short
+            frame = frames[0]
+            try:
+                sent = self._sock.send(frame)
+            except BlockingIOError:
+                sent = 0
+            except OSError:
+                self.abort()
+                return False
+            if sent < len(frame):
+                self._out += memoryview(frame)[sent:]
+                if not self._flushing:
+                    self._flushing = True
+                    self._spawn(self._flush)
+            return True
         self._write(frames)
         return True
 

@@ -485,14 +485,14 @@ class ListSink:
     def __init__(self, events: list) -> None:
         self.events = events
 
-    def deliver(self, event) -> None:
+    def admit(self, event) -> None:
         self.events.append(event)
 
     def skip(self, event) -> None:
         pass
 
-    def flush(self) -> None:
-        pass
+    def write(self, frames) -> None:
+        raise AssertionError("admit() returned no frame")
 
 
 async def test_outbox_replays_what_a_crash_left_and_suppresses_withdrawn(app: App, team):
