@@ -4,8 +4,9 @@ It drains its mailbox in batches and commits each batch in ONE transaction
 (group commit): sends are planned (pure), checked for idempotency, allocated
 consecutive seqs and inserted with one statement; other commands run in
 savepoints of the same transaction, so one failing command does not fail its
-neighbours.  After commit it replies to every caller, publishes the committed
-events, then settles the inline outbox rows.
+neighbours.  After commit it replies to every caller; the committed events are
+published while the next batch's transaction runs (or at once when the mailbox
+is empty), and the inline outbox rows are marked in the transaction after that.
 
 Cross-process note: seq allocation is an UPDATE ... RETURNING on the scope row
 and global seq allocation locks the workspace counter row, so even two
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from functools import partial
 from dataclasses import dataclass, field
 from collections.abc import Callable
 from typing import Any
@@ -128,6 +130,21 @@ class Archive(Command):
 
 
 @dataclass
+class _Publication:
+    """What a committed batch hands to the fanout hub."""
+
+    items: list[tuple[CommittedEvent, frozenset[str]]] = field(default_factory=list)
+    message_ids: list[str] = field(default_factory=list)
+    wake_outbox: bool = False
+    published: bool = False
+
+    def extend(self, other: _Publication) -> None:
+        self.items += other.items
+        self.message_ids += other.message_ids
+        self.wake_outbox = self.wake_outbox or other.wake_outbox
+
+
+@dataclass
 class _Outcome:
     value: Any = None
     events: list[CommittedEvent] = field(default_factory=list)
@@ -156,12 +173,19 @@ class ScopeActor:
         try:
             self.state = await self.db.run(messages.load_scope_context, self.scope_id)
             self._roster_set = frozenset(self.state.roster) if self.state else frozenset()
+            # Committed but not yet published: fanned out while the next batch's
+            # transaction runs (or as soon as the mailbox is empty).
+            pending: _Publication | None = None
             while True:
                 first = None
-                if self._unsettled:
+                if pending is not None or self._unsettled:
                     try:
                         first = self._inbox.receive_nowait()
                     except trio.WouldBlock:
+                        if pending is not None:
+                            self._publish(pending)
+                            pending = None
+                            continue
                         await self._settle()
                 if first is None:
                     with trio.move_on_after(self.idle_seconds):
@@ -174,7 +198,8 @@ class ScopeActor:
                         batch.append(self._inbox.receive_nowait())
                     except trio.WouldBlock:
                         break
-                await self._process(batch)
+                previous, pending = pending, None
+                pending = await self._commit(batch, previous)
         finally:
             self.stopped = True
             self.mailbox.close()
@@ -187,23 +212,36 @@ class ScopeActor:
 
     # --- the batch -------------------------------------------------------------------------
 
-    async def _process(self, batch: list[Command]) -> None:
+    async def _commit(self, batch: list[Command], previous: _Publication | None = None) -> _Publication:
+        """Commit `batch` in one transaction and answer its callers; return what
+        it publishes.  `previous` (the last batch's publication) is fanned out
+        on this thread while PostgreSQL works on this one: the two costs
+        overlap instead of adding up."""
+        publication = _Publication()
         if self.state is None:
+            if previous is not None:
+                self._publish(previous)
             for command in batch:
                 command.reply.fail(NotFound("scope"))
-            return
+            return publication
         settling = list(self._unsettled)
         try:
-            outcomes = await self.db.transaction(self._apply_batch, batch, settling)
+            if previous is not None:
+                outcomes = await self.db.transaction_overlapping(partial(self._publish, previous), self._apply_batch,
+                                                                 batch, settling)
+            else:
+                outcomes = await self.db.transaction(self._apply_batch, batch, settling)
         except (StorageError, asyncpg.PostgresError) as exc:
+            if previous is not None:
+                self._publish(previous)  # no-op if the overlap already did
             if len(batch) > 1 and isinstance(exc, asyncpg.PostgresError):
                 # One command broke the whole batch: run each alone so the rest commit.
                 for command in batch:
-                    await self._process([command])
-                return
+                    publication.extend(await self._commit([command]))
+                return publication
             for command in batch:
                 command.reply.fail(exc)
-            return
+            return publication
         del self._unsettled[:len(settling)]
         before = self._roster_set
         if self._roster_dirty or any(isinstance(c, (ChangeMembers, Archive)) for c in batch):
@@ -213,8 +251,6 @@ class ScopeActor:
             # batch was the largest CPU cost of a send into a big scope (bench/send.py).
             self._roster_set = frozenset(self.state.roster) if self.state else frozenset()
         roster = self._roster_set
-        committed_message_ids = []
-        published = []
         for command, outcome in zip(batch, outcomes):
             if isinstance(outcome, BaseException):
                 command.reply.fail(outcome)
@@ -222,14 +258,24 @@ class ScopeActor:
             command.reply.set(outcome.value)
             for event in outcome.events:
                 # A member who just left still hears about their own removal.
-                published.append((event, roster | before if event.event == "membership.changed" else roster))
+                publication.items.append(
+                    (event, roster | before if event.event == "membership.changed" else roster))
                 if event.event == "message.created":
-                    committed_message_ids.append(event.data.id)
-                    self.state.latest_seq = max(self.state.latest_seq, event.seq)
+                    publication.message_ids.append(event.data.id)
+                    if self.state is not None:
+                        self.state.latest_seq = max(self.state.latest_seq, event.seq)
+        publication.wake_outbox = any(isinstance(c, (Edit, Withdraw)) for c in batch)
+        return publication
+
+    def _publish(self, publication: _Publication) -> None:
+        if publication.published:
+            return
+        publication.published = True
         # One publication per batch: each connection gets the batch in one write.
-        self.hub.publish_many(published)
-        self._unsettled.extend(committed_message_ids)
-        if self.outbox_wake is not None and any(isinstance(c, (Edit, Withdraw)) for c in batch):
+        self.hub.publish_many(publication.items)
+        # Marked delivered only once really handed over (see _settle).
+        self._unsettled.extend(publication.message_ids)
+        if publication.wake_outbox and self.outbox_wake is not None:
             self.outbox_wake()
 
     async def _settle(self) -> None:
