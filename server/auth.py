@@ -95,14 +95,28 @@ class Authenticator:
         if principal.kind == "account":
             if expires_at is not None and expires_at <= time.time():
                 raise unauthenticated("session token expired")
-            row = await self.db.run(tenancy.account_session_state, principal.account_id)
-            if row is None or row["status"] != "active" or row["token_version"] != principal.token_version:
-                raise unauthenticated("session token revoked")
+            _check_session(principal, await self.db.run(tenancy.account_session_state, principal.account_id))
         elif principal.kind == "api_key":
             row = await self.db.run(tenancy.api_key_state, principal.api_key_id)
             if row is None or row["status"] != "active" or (
                     row["expires_at"] is not None and row["expires_at"].timestamp() <= time.time()):
                 raise unauthenticated("API key revoked or expired")
+
+    async def request_workspace(self, principal: Principal, expires_at: float | None, requested: str | None,
+                                edition: str | None) -> WorkspaceContext:
+        """`revalidate` and then `workspace_context`, in one database unit: every
+        workspace request re-checks its credential and its membership, and a
+        busy server should pay one round trip for it, not two."""
+        if principal.kind != "account" or requested is None or not is_valid_id(requested, "wsp"):
+            # API keys: the key's workspace context re-checks the key itself.
+            if principal.kind != "api_key":
+                await self.revalidate(principal, expires_at)
+            return await self.workspace_context(principal, requested, edition)
+        if expires_at is not None and expires_at <= time.time():
+            raise unauthenticated("session token expired")
+        session, row = await self.db.run(_session_and_membership, principal.account_id, requested)
+        _check_session(principal, session)
+        return _account_workspace_context(row)
 
     async def workspace_context(self, principal: Principal, requested: str | None,
                                 edition: str | None) -> WorkspaceContext:
@@ -130,6 +144,17 @@ class Authenticator:
                 raise ProtocolError(ErrorCode.NOT_FOUND, "workspace not found")
         row = await self.db.run(tenancy.account_workspace_context, principal.account_id, requested)
         return _account_workspace_context(row)
+
+
+async def _session_and_membership(conn: asyncpg.Connection, account_id: str,
+                                  workspace_id: str) -> tuple[asyncpg.Record | None, asyncpg.Record | None]:
+    return (await tenancy.account_session_state(conn, account_id),
+            await tenancy.account_workspace_context(conn, account_id, workspace_id))
+
+
+def _check_session(principal: Principal, row: asyncpg.Record | None) -> None:
+    if row is None or row["status"] != "active" or row["token_version"] != principal.token_version:
+        raise unauthenticated("session token revoked")
 
 
 def _check_workspace_row(row: asyncpg.Record | None) -> None:

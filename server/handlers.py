@@ -266,10 +266,11 @@ async def dispatch(server: Server, connection: Connection, request: f.Request) -
     principal = connection.principal
     if principal is None:
         raise ProtocolError(ErrorCode.UNAUTHENTICATED, "authenticate first (login, auth or invitation.accept)")
-    await server.auth.revalidate(principal, expires_at=connection.session_expires_at)
-    ctx = RequestContext(request_id=request.id, principal=principal)
     if kind in AUTHENTICATED:
-        return await AUTHENTICATED[kind](server, connection, request, ctx)
-    workspace = await server.auth.workspace_context(principal, request.workspace_id, await server.edition())
+        await server.auth.revalidate(principal, expires_at=connection.session_expires_at)
+        return await AUTHENTICATED[kind](server, connection, request,
+                                         RequestContext(request_id=request.id, principal=principal))
+    workspace = await server.auth.request_workspace(principal, connection.session_expires_at, request.workspace_id,
+                                                    await server.edition())
     ctx = RequestContext(request_id=request.id, principal=principal, workspace=workspace)
     return await IN_WORKSPACE[kind](server, connection, request, ctx)
