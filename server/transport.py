@@ -291,7 +291,10 @@ class WebSocket:
                         return parts[0] if len(parts) == 1 else "".join(parts)
                     return parts[0] if len(parts) == 1 else b"".join(parts)
             elif isinstance(event, Ping):
-                if not self.closing:
+                # A client that pings without reading gets no pong pile-up: with a
+                # backlog the pong is skipped (RFC 6455 §5.5.3 lets a pong answer
+                # only the latest ping).
+                if not self.closing and len(self._out) < RECV_BYTES:
                     self._write((self._parser.send(Pong(event.payload)),))
             elif isinstance(event, Pong):
                 self.awaiting_pong = False

@@ -213,3 +213,22 @@ async def _segmented(dsn: str, plan: list, cuts: list[int]) -> None:
         assert replies == [str(n) for n in range(len(plan))]
         await client.stream.aclose()
         nursery.cancel_scope.cancel()
+
+
+async def test_a_client_that_pings_without_reading_cannot_grow_server_memory(app: App):
+    client, _ = await RawClient.open(app)
+    ping = client.ws.send(Ping(payload=b"p" * 125))
+    pings = 300_000  # ~40 MB of pings, and not a byte read meanwhile
+    with trio.fail_after(60):
+        for _ in range(pings // 1000):
+            await client.stream.send_all(ping * 1000)
+        await client.send(Message(data=json.dumps({"op": "ping", "id": "after"})))
+        # The server answers only what fits beside an empty backlog; the rest of
+        # the pongs are skipped, then the reply arrives.
+        pongs = 0
+        while isinstance(event := await client.next_event(), Pong):
+            pongs += 1
+    assert json.loads(event.data)["id"] == "after"
+    # What the kernel buffers hold is a few MB at most: far fewer pongs than pings.
+    assert pongs < pings // 2
+    await client.stream.aclose()
