@@ -1,24 +1,16 @@
 """The fanout hub: where committed events go after commit.
 
-Subscribers register per scope and/or per workspace with a Sink.  Publishers
-(scope actors, the outbox worker, ephemeral signals) hand publications to the
-hub's bounded queue and move on — an actor commits its next batch while the
-previous one is fanned out — and the hub's one task delivers them in order.
-Everything queued when it wakes leaves in one write per connection, and it
-yields every `chunk` connections so a large fanout never stalls the other
-tasks (command replies, database completions) for long.  A sink never blocks:
-one that cannot keep up cuts its own connection off and the client resumes
-from its cursor against the durable log.
+Subscribers register per scope and/or per workspace with a Sink; publishing
+calls the sinks synchronously (no task switch per recipient).  A sink never
+blocks: one that cannot keep up cuts its own connection off and the client
+resumes from its cursor against the durable log.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
-
-import trio
 
 
 @dataclass(frozen=True)
@@ -39,20 +31,17 @@ class CommittedEvent:
 
 class Sink(Protocol):
     """The receiving end of a subscription.  Every method is synchronous and
-    must not block."""
+    must not block: the hub calls them from the committing actor's task."""
 
-    def deliver(self, event: CommittedEvent) -> None:
-        """An event the member is entitled to: gather its frame (or hold it)."""
+    def admit(self, event: CommittedEvent) -> bytes | None:
+        """An event the member is entitled to: the frame to write, or None."""
 
     def skip(self, event: CommittedEvent) -> None:
         """An event on a followed workspace that is not for this member (its
         workspace_global_seq is still a step of the feed's sequence)."""
 
-    def flush(self) -> None:
-        """Write what `deliver` gathered, in order."""
-
-
-Publication = list[tuple[CommittedEvent, "frozenset[str] | set[str] | None"]]
+    def write(self, frames: list[bytes]) -> None:
+        """Write admitted frames, in order."""
 
 
 @dataclass(eq=False)
@@ -65,11 +54,9 @@ class Subscription:
 
 
 class FanoutHub:
-    def __init__(self, *, queue: int = 1024, chunk: int = 64) -> None:
+    def __init__(self) -> None:
         self._by_scope: dict[str, set[Subscription]] = defaultdict(set)
         self._by_workspace: dict[str, set[Subscription]] = defaultdict(set)
-        self._send, self._receive = trio.open_memory_channel[tuple[Publication, Callable[[], None] | None]](queue)
-        self._chunk = chunk
         self.published = 0
 
     def subscribe(self, member_id: str, sink: Sink) -> Subscription:
@@ -108,66 +95,41 @@ class FanoutHub:
             self.unfollow_scope(subscription, scope_id)
         self.unfollow_workspace(subscription)
 
-    async def publish(self, event: CommittedEvent, roster: frozenset[str] | set[str] | None = None) -> None:
-        await self.publish_many([(event, roster)])
+    def publish(self, event: CommittedEvent, roster: frozenset[str] | set[str] | None = None) -> None:
+        self.publish_many([(event, roster)])
 
-    async def publish_many(self, items: Publication, done: Callable[[], None] | None = None) -> None:
-        """Queue events for every subscriber entitled to them: a follower of the
-        scope or of its workspace whose member is in the roster (or the event's
-        own audience).  Waits only while the queue is full.  `done` runs once
-        they have been handed to every connection."""
-        if not any(event.scope_id in self._by_scope or event.workspace_id in self._by_workspace
-                   for event, _ in items):
-            self.published += len(items)  # nobody follows: nothing to deliver
-            if done is not None:
-                done()
-            return
-        await self._send.send((items, done))
-
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        task_status.started()
-        async for items, done in self._receive:
-            publications = [(items, done)]
-            while True:
-                try:
-                    publications.append(self._receive.receive_nowait())
-                except trio.WouldBlock:
-                    break
-            await self._deliver([item for items, _ in publications for item in items])
-            for _, done in publications:
-                if done is not None:
-                    done()
-
-    async def _deliver(self, items: Publication) -> None:
-        touched: dict[Subscription, None] = {}
-        visited = 0
+    def publish_many(self, items: list[tuple[CommittedEvent, frozenset[str] | set[str] | None]]) -> None:
+        """Hand each event, in order, to every subscriber entitled to it: a
+        follower of the scope or of its workspace whose member is in the roster
+        (or the event's own audience).  A batch of events leaves in one write
+        per connection.  Never blocks."""
+        pending: dict[Subscription, list[bytes]] = {}
+        single = len(items) == 1
         for event, roster in items:
             self.published += 1
             entitled = event.audience if event.audience is not None else roster
             by_scope = self._by_scope.get(event.scope_id)
             by_workspace = self._by_workspace.get(event.workspace_id)
-            # Copies: subscriptions change while this task yields.
+            # Copies: a sink may unsubscribe itself (cut off) while we iterate.
             if by_scope and by_workspace:
                 targets = list(by_scope | by_workspace)
             else:
                 targets = list(by_scope or by_workspace or ())
             for subscription in targets:
-                visited += 1
-                if visited % self._chunk == 0:
-                    await trio.lowlevel.checkpoint()
                 if not subscription.active:
                     continue
                 if entitled is not None and subscription.member_id not in entitled:
                     subscription.sink.skip(event)
                     continue
-                subscription.sink.deliver(event)
-                if len(items) == 1:
-                    subscription.sink.flush()
+                frame = subscription.sink.admit(event)
+                if frame is None:
+                    continue
+                if single:
+                    subscription.sink.write([frame])
+                elif subscription in pending:
+                    pending[subscription].append(frame)
                 else:
-                    touched[subscription] = None
-        for subscription in touched:
-            visited += 1
-            if visited % self._chunk == 0:
-                await trio.lowlevel.checkpoint()
+                    pending[subscription] = [frame]
+        for subscription, frames in pending.items():
             if subscription.active:
-                subscription.sink.flush()
+                subscription.sink.write(frames)

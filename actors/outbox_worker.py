@@ -65,7 +65,7 @@ class OutboxWorker:
             await self.db.transaction(applier.settle_suppressed, row["id"], "message_withdrawn")
             return
         roster = await self.db.run(messages.open_roster, row["scope_id"])
-        await self.hub.publish(CommittedEvent(row["fanout_type"], row["workspace_id"], row["scope_id"], message.seq,
+        self.hub.publish(CommittedEvent(row["fanout_type"], row["workspace_id"], row["scope_id"], message.seq,
                                         message.workspace_global_seq, message), roster=roster)
         await self.db.transaction(applier.settle_delivered, [row["id"]])
         self.replayed += 1

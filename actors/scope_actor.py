@@ -4,9 +4,9 @@ It drains its mailbox in batches and commits each batch in ONE transaction
 (group commit): sends are planned (pure), checked for idempotency, allocated
 consecutive seqs and inserted with one statement; other commands run in
 savepoints of the same transaction, so one failing command does not fail its
-neighbours.  After commit it replies to every caller and queues the committed
-events for the fanout hub, which sends them while the next batch commits; the
-inline outbox rows are marked in a later transaction once they went out.
+neighbours.  After commit it replies to every caller; the committed events are
+published while the next batch's transaction runs (or at once when the mailbox
+is empty), and the inline outbox rows are marked in the transaction after that.
 
 Cross-process note: seq allocation is an UPDATE ... RETURNING on the scope row
 and global seq allocation locks the workspace counter row, so even two
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from functools import partial
 from dataclasses import dataclass, field
 from collections.abc import Callable
 from typing import Any
@@ -135,6 +136,7 @@ class _Publication:
     items: list[tuple[CommittedEvent, frozenset[str]]] = field(default_factory=list)
     message_ids: list[str] = field(default_factory=list)
     wake_outbox: bool = False
+    published: bool = False
 
     def extend(self, other: _Publication) -> None:
         self.items += other.items
@@ -171,12 +173,19 @@ class ScopeActor:
         try:
             self.state = await self.db.run(messages.load_scope_context, self.scope_id)
             self._roster_set = frozenset(self.state.roster) if self.state else frozenset()
+            # Committed but not yet published: fanned out while the next batch's
+            # transaction runs (or as soon as the mailbox is empty).
+            pending: _Publication | None = None
             while True:
                 first = None
-                if self._unsettled:
+                if pending is not None or self._unsettled:
                     try:
                         first = self._inbox.receive_nowait()
                     except trio.WouldBlock:
+                        if pending is not None:
+                            self._publish(pending)
+                            pending = None
+                            continue
                         await self._settle()
                 if first is None:
                     with trio.move_on_after(self.idle_seconds):
@@ -189,7 +198,8 @@ class ScopeActor:
                         batch.append(self._inbox.receive_nowait())
                     except trio.WouldBlock:
                         break
-                await self._publish(await self._commit(batch))
+                previous, pending = pending, None
+                pending = await self._commit(batch, previous)
         finally:
             self.stopped = True
             self.mailbox.close()
@@ -202,18 +212,28 @@ class ScopeActor:
 
     # --- the batch -------------------------------------------------------------------------
 
-    async def _commit(self, batch: list[Command]) -> _Publication:
+    async def _commit(self, batch: list[Command], previous: _Publication | None = None) -> _Publication:
         """Commit `batch` in one transaction and answer its callers; return what
-        it publishes."""
+        it publishes.  `previous` (the last batch's publication) is fanned out
+        on this thread while PostgreSQL works on this one: the two costs
+        overlap instead of adding up."""
         publication = _Publication()
         if self.state is None:
+            if previous is not None:
+                self._publish(previous)
             for command in batch:
                 command.reply.fail(NotFound("scope"))
             return publication
         settling = list(self._unsettled)
         try:
-            outcomes = await self.db.transaction(self._apply_batch, batch, settling)
+            if previous is not None:
+                outcomes = await self.db.transaction_overlapping(partial(self._publish, previous), self._apply_batch,
+                                                                 batch, settling)
+            else:
+                outcomes = await self.db.transaction(self._apply_batch, batch, settling)
         except (StorageError, asyncpg.PostgresError) as exc:
+            if previous is not None:
+                self._publish(previous)  # no-op if the overlap already did
             if len(batch) > 1 and isinstance(exc, asyncpg.PostgresError):
                 # One command broke the whole batch: run each alone so the rest commit.
                 for command in batch:
@@ -247,11 +267,14 @@ class ScopeActor:
         publication.wake_outbox = any(isinstance(c, (Edit, Withdraw)) for c in batch)
         return publication
 
-    async def _publish(self, publication: _Publication) -> None:
-        """Queue the batch's events for the fanout hub (the next batch commits
-        while they go out); the outbox rows are marked once they went out."""
-        ids = publication.message_ids
-        await self.hub.publish_many(publication.items, done=(lambda: self._unsettled.extend(ids)) if ids else None)
+    def _publish(self, publication: _Publication) -> None:
+        if publication.published:
+            return
+        publication.published = True
+        # One publication per batch: each connection gets the batch in one write.
+        self.hub.publish_many(publication.items)
+        # Marked delivered only once really handed over (see _settle).
+        self._unsettled.extend(publication.message_ids)
         if publication.wake_outbox and self.outbox_wake is not None:
             self.outbox_wake()
 

@@ -140,7 +140,6 @@ class Server:
     async def run(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve until cancelled; then close every connection, then stop the actors."""
         async with trio.open_nursery() as actors_nursery:
-            await actors_nursery.start(self.hub.run)
             self.outbox = OutboxWorker(self.db, self.hub)
             outbox = self.outbox
             self.registry = ScopeRegistry(self.db, self.hub, actors_nursery, idle_seconds=self.config.actor_idle_seconds,

@@ -8,10 +8,10 @@ from the database before the live event is sent; anything at or below the
 cursor is dropped.  So every committed message reaches the connection once, in
 order, however long it was away.
 
-Fast path (every live event in order): the hub's task calls `deliver` and
-`flush`; the event's frame, encoded once per wire format and shared by every
-recipient, is written with the rest of the publication in one non-blocking
-write.  No per-connection task is involved.
+Fast path (every live event in order): the hub calls `admit` from the
+committing task; the event's frame, encoded once per wire format and shared
+by every recipient, is written with the rest of the batch in one non-blocking
+write.  No task is involved.
 
 Slow path (a resume, or a gap): a replay task owns delivery until the gap is
 filled; live events meanwhile wait in a bounded backlog, and when it is empty
@@ -71,7 +71,7 @@ class PushState:
     """One connection's subscriptions, cursors and delivery (the hub's Sink)."""
 
     __slots__ = ("server", "connection", "workspace_id", "member_id", "subscription", "scope_cursors",
-                 "global_cursor", "_ws", "_binary", "_buffer_limit", "_gathered", "_backlog", "_catch_up_due")
+                 "global_cursor", "_ws", "_binary", "_buffer_limit", "_backlog", "_catch_up_due")
 
     def __init__(self, server: Server, connection: Connection, workspace_id: str, member_id: str) -> None:
         self.server = server
@@ -84,7 +84,6 @@ class PushState:
         self._ws = connection.ws
         self._binary = connection.ws.binary
         self._buffer_limit = server.config.push_buffer_bytes
-        self._gathered: list[bytes] = []  # frames delivered in this publication, not yet written
         # Not None while the replay task owns delivery: live events wait here.
         self._backlog: deque[CommittedEvent] | None = None
         self._catch_up_due = False
@@ -95,21 +94,23 @@ class PushState:
 
     # --- the hub's sink: synchronous, never blocks --------------------------------------------
 
-    def deliver(self, event: CommittedEvent) -> None:
+    def admit(self, event: CommittedEvent) -> bytes | None:
+        """The frame to write for this event now, or None (already sent, or
+        held behind a replay)."""
         if self._backlog is not None:
             if len(self._backlog) >= self.server.config.push_buffer_events:
                 self.cut_off("slow_consumer: event backlog overflow")
             else:
                 self._backlog.append(event)
-            return
+            return None
         if event.event == MESSAGE_CREATED and event.seq is not None:
             verdict = self._advance(event)
             if verdict is None:
-                return  # already sent
+                return None  # already sent
             if not verdict:
                 self._replay(event)  # a gap: fill it from the log first
-                return
-        self._gathered.append(event.frames.get(self._binary) or shared_frame(event, self._binary))
+                return None
+        return event.frames.get(self._binary) or shared_frame(event, self._binary)
 
     def _advance(self, event: CommittedEvent) -> bool | None:
         """Move the cursor over a live message: True (next in order), False (a
@@ -139,12 +140,9 @@ class PushState:
                 and event.global_seq == self.global_cursor + 1 and event.scope_id not in self.scope_cursors):
             self.global_cursor = event.global_seq
 
-    def flush(self) -> None:
-        if not self._gathered:
-            return
+    def write(self, frames: list[bytes]) -> None:
         ws = self._ws
-        ws.write(self._gathered)
-        self._gathered = []
+        ws.write(frames)
         if ws.backlog > self._buffer_limit:
             self.cut_off("slow_consumer: send buffer overflow")
 
@@ -154,7 +152,6 @@ class PushState:
         Either way it resumes from its cursors."""
         log.info("cutting off slow consumer", extra={"connection": self.connection.id, "why": reason})
         self.stop()
-        self._gathered = []
         self.connection.ws.close_soon(f.CLOSE_SLOW_CONSUMER, reason)
 
     # --- the slow path: replay from the durable log --------------------------------------------
@@ -166,7 +163,6 @@ class PushState:
 
     def _replay(self, first: CommittedEvent | None) -> None:
         if self._backlog is None:
-            self.flush()  # what was gathered before the gap goes first
             self._backlog = deque()
             self.server.spawn(self._run_replay)
         if first is not None:
@@ -336,7 +332,7 @@ async def typing(server: Server, connection: Connection, request: f.Typing, ctx)
     if not server.typing_limiter.take((workspace.member_id, row["id"])):
         raise ProtocolError(ErrorCode.RATE_LIMITED, "typing signals are limited to about one a second")
     roster = await server.db.run(messages.open_roster, row["id"])
-    await server.hub.publish(CommittedEvent("typing", workspace.workspace_id, row["id"], None, None, {
+    server.hub.publish(CommittedEvent("typing", workspace.workspace_id, row["id"], None, None, {
         "member_id": workspace.member_id, "state": request.state,
         "expires_at_ms": int(time.time() * 1000) + TYPING_TTL_MS}), roster=roster)
     return f.Ok()
@@ -347,7 +343,7 @@ async def presence(server: Server, connection: Connection, request: f.Presence, 
     workspace = ctx.require(Permission.MESSAGE_READ)
     if not server.presence_limiter.take(workspace.member_id):
         raise ProtocolError(ErrorCode.RATE_LIMITED, "presence updates are limited")
-    await server.hub.publish(CommittedEvent("presence", workspace.workspace_id, "", None, None, {
+    server.hub.publish(CommittedEvent("presence", workspace.workspace_id, "", None, None, {
         "member_id": workspace.member_id, "state": request.state,
         "expires_at_ms": int(time.time() * 1000) + PRESENCE_TTL_MS}), roster=None)
     return f.Ok()

@@ -182,12 +182,19 @@ class Database:
         """Run `fn(conn, *args, **kwargs)` inside one transaction (committed if fn returns)."""
         return await self._submit(fn, args, kwargs, "transaction")
 
+    async def transaction_overlapping(self, meanwhile: Callable[[], None], fn: UnitOfWork[T], *args: Any,
+                                      **kwargs: Any) -> T:
+        """Like `transaction`, and run `meanwhile()` on this thread once the unit
+        is handed over: CPU work here overlaps the database's work there."""
+        return await self._submit(fn, args, kwargs, "transaction", meanwhile)
+
     async def _call_on_loop(self, fn: Callable[[], Awaitable[T]]) -> T:
         """Run a pool-less coroutine on the loop (lifecycle operations)."""
 
         return await self._submit(fn, (), {}, "loop")
 
-    async def _submit(self, fn: UnitOfWork[T], args: tuple, kwargs: dict, mode: str) -> T:
+    async def _submit(self, fn: UnitOfWork[T], args: tuple, kwargs: dict, mode: str,
+                      meanwhile: Callable[[], None] | None = None) -> T:
         if self._loop is None or (self._closed and mode != "loop"):
             raise DatabaseUnavailable("database bridge is not running")
         job = _Job(fn, args, kwargs, mode, trio.lowlevel.current_task())
@@ -195,6 +202,11 @@ class Database:
         if not self._submit_wake_pending:
             self._submit_wake_pending = True
             self._loop.call_soon_threadsafe(self._drain_submissions)
+        if meanwhile is not None:
+            try:
+                meanwhile()
+            except Exception:  # the job is already running: it must still be awaited
+                log.exception("work overlapping a database unit failed")
 
         def abort(_: Any) -> trio.lowlevel.Abort:
             # Never abandon the job: wait until the loop side has really stopped it.
