@@ -1,6 +1,8 @@
 """The trio ↔ asyncpg bridge against a real PostgreSQL."""
 
+import asyncio
 import shutil
+import threading
 import tempfile
 from pathlib import Path
 
@@ -42,6 +44,24 @@ async def test_transaction_commits_on_return_and_rolls_back_on_error(db: Databas
         await db.transaction(insert_then_fail)
     await db.transaction(lambda c: c.execute("INSERT INTO t VALUES (2)"))
     assert await db.run(lambda c: c.fetch("SELECT v FROM t")) == [(2,)]
+
+
+async def test_overlapping_work_runs_while_the_unit_is_in_flight(db: Database):
+    handed_over = threading.Event()
+
+    async def unit(conn):
+        # Completes only if `meanwhile` runs while this unit is still running.
+        if not await asyncio.get_running_loop().run_in_executor(None, handed_over.wait, 10):
+            raise AssertionError("meanwhile did not run during the unit")
+        return await conn.fetchval("SELECT 7")
+
+    assert await db.transaction_overlapping(handed_over.set, unit) == 7
+
+    def failing() -> None:
+        raise ValueError("boom")
+
+    # A failure of the overlapping work does not abandon the unit.
+    assert await db.transaction_overlapping(failing, _one) == 1
 
 
 async def test_query_errors_surface_as_asyncpg_errors(db: Database):
