@@ -414,7 +414,10 @@ class ScopeActor:
             await applier.set_notification_state(conn, state.workspace_id, state.scope_id, actor.member_id,
                                                  command.state)
             await applier.apply_membership_mutations(conn, state.workspace_id, state.scope_id, [], state.latest_seq)
-            return _Outcome({"state": command.state})
+            return _Outcome({"state": command.state}, [CommittedEvent(
+                "inbox.changed", state.workspace_id, state.scope_id, None, None,
+                {"member_id": actor.member_id, "notification_state": command.state},
+                audience=frozenset({actor.member_id}))])
         if isinstance(command, Archive):
             await applier.archive_scope(conn, state.scope_id)
             return _Outcome({"status": "archived"}, [CommittedEvent("scope.archived", state.workspace_id,

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import asyncpg
 
 from actors import scope_actor as cmd
+from actors.fanout import CommittedEvent
 from actors.plan import ActorContext, CommittedMessage, MessageIntent, SourceRef
 from actors.routing_tokens import MentionMode
 from protocol import frames as f
@@ -499,6 +500,10 @@ async def conversation_action(server: Server, connection: Connection, request: f
                  "restore": {"hidden": False}}[action]
         await server.db.transaction(applier.set_conversation_state, workspace.workspace_id, workspace.member_id,
                                     row["id"], **flags)
+        # The member's own other connections see the Inbox change (nobody else does).
+        server.hub.publish(CommittedEvent("inbox.changed", workspace.workspace_id, row["id"], None, None,
+                                          {"member_id": workspace.member_id, **flags},
+                                          audience=frozenset({workspace.member_id})))
     return f.Ok()
 
 

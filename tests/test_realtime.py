@@ -166,6 +166,36 @@ async def test_workspace_feed_delivers_entitled_scopes_in_global_order(app: App,
         assert after[0]["data"]["content"] == "bob sees"
 
 
+async def test_own_read_state_and_inbox_changes_reach_only_that_member(app: App, tenants, member_password_hash):
+    alpha, _ = tenants
+    ws = {"workspace_id": alpha.workspace_id}
+    bob = await add_person(app.db, alpha.workspace_id, "bob@example.com", "developer", member_password_hash)
+    async with await signed_in(app, alpha.owner) as owner, await signed_in(app, bob) as bob_acting, \
+            await signed_in(app, bob) as bob_listening:
+        channel = await open_channel(owner, alpha.workspace_id, "inbox-events", [bob.member_id])
+        for conn in (owner, bob_listening):
+            await conn.call("subscribe", workspace_feed=True, **ws)
+        sent = await owner.call("message.send", scope_id=channel["id"], content="hello", **ws)
+        await events_for(bob_listening, 1)
+        await bob_acting.call("read.mark", scope_id=channel["id"], seq=sent["seq"], **ws)
+        read = (await events_for(bob_listening, 1, "read_state.changed"))[0]
+        assert read["data"]["member_id"] == bob.member_id and read["data"]["last_read_seq"] == sent["seq"]
+        changes = {}
+        for action in ("pin", "hide", "mute"):
+            await bob_acting.call("conversation.action", scope_id=channel["id"], action=action, **ws)
+            event = (await events_for(bob_listening, 1, "inbox.changed"))[0]
+            assert event["scope_id"] == channel["id"] and event["data"]["member_id"] == bob.member_id
+            changes.update(event["data"])
+        assert changes["pinned"] is True and changes["hidden"] is True and changes["notification_state"] == "mute"
+        # The owner follows the same feed but saw none of it: events to one
+        # connection keep their order, so everything before this message is in.
+        await owner.call("message.send", scope_id=channel["id"], content="barrier", **ws)
+        seen = []
+        with trio.fail_after(15):
+            while not seen or seen[-1]["data"].get("content") != "barrier":
+                seen.append(await owner.next_event())
+        assert not {"read_state.changed", "inbox.changed"} & {e["event"] for e in seen}
+
 async def test_subscriptions_need_authentication_and_entitlement(app: App, tenants):
     alpha, beta = tenants
     async with await signed_in(app, beta.owner) as owner_b:
