@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import asyncpg
 import trio
@@ -22,7 +23,7 @@ from server.credentials import (
     verify_password,
 )
 from server.rbac import Permission, Role, key_scope_permissions, permissions_for
-from storage import tenancy
+from storage import messages, tenancy
 from storage.bridge import Database
 from storage.ids import is_valid_id
 
@@ -103,20 +104,32 @@ class Authenticator:
                 raise unauthenticated("API key revoked or expired")
 
     async def request_workspace(self, principal: Principal, expires_at: float | None, requested: str | None,
-                                edition: str | None) -> WorkspaceContext:
-        """`revalidate` and then `workspace_context`, in one database unit: every
+                                edition: str | None,
+                                scope_id: str | None = None) -> tuple[WorkspaceContext, dict[str, Any]]:
+        """`revalidate` and `workspace_context` in one database unit — every
         workspace request re-checks its credential and its membership, and a
-        busy server should pay one round trip for it, not two."""
+        busy server should pay one round trip for it, not three — plus, when
+        the request names a scope, that scope as this member may see it
+        (`messages.scope_for_viewer`), returned as {scope_id: row or None}."""
+        if scope_id is not None and not is_valid_id(scope_id, "scp"):
+            scope_id = None
+        if principal.kind == "api_key":
+            # The key's workspace context re-checks the key itself.
+            if requested is not None and (not is_valid_id(requested, "wsp") or requested != principal.key_workspace_id):
+                raise ProtocolError(ErrorCode.NOT_FOUND, "workspace not found")
+            row, scope = await self.db.run(_key_context_and_scope, principal.api_key_id, scope_id)
+            if row is None:
+                raise unauthenticated("API key revoked")
+            return _api_key_workspace_context(row, principal), _prefetched(scope_id, scope)
         if principal.kind != "account" or requested is None or not is_valid_id(requested, "wsp"):
-            # API keys: the key's workspace context re-checks the key itself.
-            if principal.kind != "api_key":
-                await self.revalidate(principal, expires_at)
-            return await self.workspace_context(principal, requested, edition)
+            await self.revalidate(principal, expires_at)
+            return await self.workspace_context(principal, requested, edition), {}
         if expires_at is not None and expires_at <= time.time():
             raise unauthenticated("session token expired")
-        session, row = await self.db.run(_session_and_membership, principal.account_id, requested)
+        session, row, scope = await self.db.run(_session_membership_and_scope, principal.account_id, requested,
+                                                scope_id)
         _check_session(principal, session)
-        return _account_workspace_context(row)
+        return _account_workspace_context(row), _prefetched(scope_id, scope)
 
     async def workspace_context(self, principal: Principal, requested: str | None,
                                 edition: str | None) -> WorkspaceContext:
@@ -146,10 +159,27 @@ class Authenticator:
         return _account_workspace_context(row)
 
 
-async def _session_and_membership(conn: asyncpg.Connection, account_id: str,
-                                  workspace_id: str) -> tuple[asyncpg.Record | None, asyncpg.Record | None]:
-    return (await tenancy.account_session_state(conn, account_id),
-            await tenancy.account_workspace_context(conn, account_id, workspace_id))
+async def _session_membership_and_scope(conn: asyncpg.Connection, account_id: str, workspace_id: str,
+                                       scope_id: str | None) -> tuple[Any, Any, Any]:
+    session = await tenancy.account_session_state(conn, account_id)
+    row = await tenancy.account_workspace_context(conn, account_id, workspace_id)
+    scope = None
+    if scope_id is not None and row is not None:
+        scope = await messages.scope_for_viewer(conn, workspace_id, scope_id, row["member_id"])
+    return session, row, scope
+
+
+async def _key_context_and_scope(conn: asyncpg.Connection, api_key_id: str,
+                                 scope_id: str | None) -> tuple[Any, Any]:
+    row = await tenancy.api_key_context_by_id(conn, api_key_id)
+    scope = None
+    if scope_id is not None and row is not None:
+        scope = await messages.scope_for_viewer(conn, row["workspace_id"], scope_id, row["member_id"])
+    return row, scope
+
+
+def _prefetched(scope_id: str | None, row: Any) -> dict[str, Any]:
+    return {} if scope_id is None else {scope_id: row}
 
 
 def _check_session(principal: Principal, row: asyncpg.Record | None) -> None:

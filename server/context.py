@@ -50,6 +50,9 @@ class RequestContext:
     principal: Principal
     workspace: WorkspaceContext | None = None
     extra: dict = field(default_factory=dict)
+    # Scopes the request names, as the member may see them (storage row or None),
+    # read in the same database unit as the membership check.
+    scopes: dict = field(default_factory=dict)
 
     def require(self, permission: Permission) -> WorkspaceContext:
         """The workspace context, if it grants `permission`; forbidden otherwise."""

@@ -270,7 +270,8 @@ async def dispatch(server: Server, connection: Connection, request: f.Request) -
         await server.auth.revalidate(principal, expires_at=connection.session_expires_at)
         return await AUTHENTICATED[kind](server, connection, request,
                                          RequestContext(request_id=request.id, principal=principal))
-    workspace = await server.auth.request_workspace(principal, connection.session_expires_at, request.workspace_id,
-                                                    await server.edition())
-    ctx = RequestContext(request_id=request.id, principal=principal, workspace=workspace)
+    workspace, scopes = await server.auth.request_workspace(principal, connection.session_expires_at,
+                                                            request.workspace_id, await server.edition(),
+                                                            getattr(request, "scope_id", None))
+    ctx = RequestContext(request_id=request.id, principal=principal, workspace=workspace, scopes=scopes)
     return await IN_WORKSPACE[kind](server, connection, request, ctx)

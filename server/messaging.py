@@ -52,7 +52,10 @@ async def _scope(server: Server, ctx: RequestContext, scope_id: str, permission:
                  allow_discoverable: bool = False) -> tuple[WorkspaceContext, asyncpg.Record]:
     workspace = ctx.require(permission)
     _check_id(scope_id, "scp", "scope")
-    row = await server.db.run(messages.scope_for_viewer, workspace.workspace_id, scope_id, workspace.member_id)
+    if scope_id in ctx.scopes:
+        row = ctx.scopes[scope_id]
+    else:
+        row = await server.db.run(messages.scope_for_viewer, workspace.workspace_id, scope_id, workspace.member_id)
     if row is None:
         raise _not_found("scope")
     if not row["readable"] and not (allow_discoverable and row["discoverable"]):
