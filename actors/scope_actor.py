@@ -199,7 +199,11 @@ class ScopeActor:
                     except trio.WouldBlock:
                         break
                 previous, pending = pending, None
-                pending = await self._commit(batch, previous)
+                try:
+                    pending = await self._commit(batch, previous)
+                finally:
+                    if previous is not None:
+                        self._publish(previous)  # a no-op once the overlap published it
         finally:
             self.stopped = True
             self.mailbox.close()
@@ -216,11 +220,10 @@ class ScopeActor:
         """Commit `batch` in one transaction and answer its callers; return what
         it publishes.  `previous` (the last batch's publication) is fanned out
         on this thread while PostgreSQL works on this one: the two costs
-        overlap instead of adding up."""
+        overlap instead of adding up (the caller publishes it if that never
+        happened, e.g. the transaction could not start)."""
         publication = _Publication()
         if self.state is None:
-            if previous is not None:
-                self._publish(previous)
             for command in batch:
                 command.reply.fail(NotFound("scope"))
             return publication
@@ -232,8 +235,6 @@ class ScopeActor:
             else:
                 outcomes = await self.db.transaction(self._apply_batch, batch, settling)
         except (StorageError, asyncpg.PostgresError) as exc:
-            if previous is not None:
-                self._publish(previous)  # no-op if the overlap already did
             if len(batch) > 1 and isinstance(exc, asyncpg.PostgresError):
                 # One command broke the whole batch: run each alone so the rest commit.
                 for command in batch:

@@ -158,7 +158,7 @@ class Server:
                 async with trio.open_nursery() as background:
                     await background.start(self._watch_revocations)
                     background.start_soon(self._heartbeat)
-                    listeners = await transport.open_listeners(self.config.host, self.config.port)
+                    listeners = await trio.open_tcp_listeners(self.config.port, host=self.config.host)
                     for listener in listeners:
                         background.start_soon(transport.accept_loop, listener, self._handle, handlers_nursery)
                     self.port = listeners[0].socket.getsockname()[1]

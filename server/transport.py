@@ -311,20 +311,12 @@ class WebSocket:
             # The peer started the closing handshake (REMOTE_CLOSING) or broke the
             # protocol (OPEN: wsproto reports a parse failure as a close): answer.
             reply = event.response() if state is ConnectionState.REMOTE_CLOSING else event
-            self._out_close(self._parser.send(reply))
+            self._write((self._parser.send(reply),))
+            self._closing = True
         await self._finish()
-
-    def _out_close(self, frame: bytes) -> None:
-        if not self._closed:
-            self._write((frame,))
-        self._closing = True
 
 
 # --- accepting -------------------------------------------------------------------------------
-
-
-async def open_listeners(host: str, port: int) -> list[trio.SocketListener]:
-    return await trio.open_tcp_listeners(port, host=host)
 
 
 async def accept_loop(listener: trio.SocketListener, handle: Callable[[socket.socket], Any],
