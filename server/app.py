@@ -190,6 +190,8 @@ class Server:
             await self._serve_connection(connection, auth_deadline)
         except ConnectionClosed:
             pass
+        except Exception:  # one broken connection must never take the server down
+            log.exception("connection failed", extra={"connection": connection.id})
         finally:
             if connection.push is not None:
                 connection.push.stop()

@@ -22,6 +22,7 @@ frame's bytes are valid on every connection (server/wire.py).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import socket
@@ -343,6 +344,17 @@ async def handshake(sock: socket.socket, *, deadline: float, choose_subprotocol:
     """Run the HTTP upgrade.  None (socket closed) when the client does not
     complete a valid WebSocket handshake by `deadline`."""
     upgrade = H11Handshake(ConnectionType.SERVER)
+    try:
+        return await _upgrade(sock, upgrade, deadline, choose_subprotocol, spawn, max_message_bytes, close_grace)
+    except BaseException:  # e.g. cancelled at shutdown: do not leak the socket
+        trio.lowlevel.notify_closing(sock)
+        sock.close()
+        raise
+
+
+async def _upgrade(sock: socket.socket, upgrade: H11Handshake, deadline: float,
+                   choose_subprotocol: Callable[[list[str]], str | None], spawn: Callable[..., Any],
+                   max_message_bytes: int, close_grace: float) -> WebSocket | None:
     with trio.move_on_at(deadline):
         while True:
             try:
@@ -359,12 +371,16 @@ async def handshake(sock: socket.socket, *, deadline: float, choose_subprotocol:
                 request = next((e for e in upgrade.events() if isinstance(e, Request)), None)
             except RemoteProtocolError as exc:
                 hint = exc.event_hint if isinstance(exc.event_hint, RejectConnection) else RejectConnection()
-                await _send_all(sock, upgrade.send(hint))
+                with contextlib.suppress(OSError):
+                    await _send_all(sock, upgrade.send(hint))
                 break
             if request is None:
                 continue
             subprotocol = choose_subprotocol(list(request.subprotocols))
-            await _send_all(sock, upgrade.send(AcceptConnection(subprotocol=subprotocol)))
+            try:
+                await _send_all(sock, upgrade.send(AcceptConnection(subprotocol=subprotocol)))
+            except OSError:
+                break
             parser = upgrade.connection
             assert parser is not None
             return WebSocket(sock, parser, subprotocol, spawn=spawn, max_message_bytes=max_message_bytes,

@@ -6,6 +6,7 @@ misbehaving client the server still serves the next one."""
 from __future__ import annotations
 
 import json
+import socket
 import struct
 
 import pytest
@@ -232,3 +233,16 @@ async def test_a_client_that_pings_without_reading_cannot_grow_server_memory(app
     # What the kernel buffers hold is a few MB at most: far fewer pongs than pings.
     assert pongs < pings // 2
     await client.stream.aclose()
+
+
+async def test_clients_that_reset_mid_handshake_do_not_hurt_the_server(app: App):
+    request = (b"GET / HTTP/1.1\r\nHost: localhost\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+               b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+    for _ in range(20):
+        sock = trio.socket.socket()
+        await sock.connect(("127.0.0.1", app.server.port))
+        await sock.send(request)
+        # Close with a TCP reset (linger 0) while the server answers.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()
+    await assert_still_serving(app)
