@@ -5,6 +5,7 @@ misbehaving client the server still serves the next one."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import struct
@@ -246,3 +247,31 @@ async def test_clients_that_reset_mid_handshake_do_not_hurt_the_server(app: App)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         sock.close()
     await assert_still_serving(app)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(garbage=st.lists(st.binary(min_size=1, max_size=700), min_size=1, max_size=4),
+       masked=st.booleans())
+def test_random_bytes_after_the_handshake_never_hurt_the_server(database_dsn, garbage, masked):
+    trio.run(_garbage, database_dsn, garbage, masked)
+
+
+async def _garbage(dsn: str, garbage: list[bytes], masked: bool) -> None:
+    async with Database(dsn) as db, trio.open_nursery() as nursery:
+        server = Server(ServerConfig(port=0, shutdown_grace_seconds=1, max_frame_bytes=4096), db,
+                        Authenticator(db, SessionSigner(Ed25519PrivateKey.generate()), 3600))
+        port = await nursery.start(server.run)
+        client, _ = await RawClient.open_port(port)
+        for chunk in garbage:
+            if masked:  # a plausible masked frame header in front of random payload
+                chunk = struct.pack("!BB", chunk[0] | 0x80, 0x80 | min(len(chunk), 125)) + b"\0\0\0\0" + chunk[:125]
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                await client.stream.send_all(chunk)
+        await client.stream.aclose()
+        # Whatever that was, the server answers the next client.
+        fresh, accepted = await RawClient.open_port(port)
+        assert isinstance(accepted, AcceptConnection)
+        await fresh.send(Message(data=json.dumps({"op": "ping", "id": "alive"})))
+        assert (await fresh.next_message())["id"] == "alive"
+        await fresh.stream.aclose()
+        nursery.cancel_scope.cancel()
