@@ -124,20 +124,24 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
+def server_config_from(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(host=args.host, port=args.port, log_level=args.log_level,
+                        auth_timeout_seconds=args.auth_timeout, session_ttl_seconds=args.session_ttl,
+                        commands_per_second=args.commands_per_second,
+                        command_burst=int(2 * args.commands_per_second),
+                        max_connections_per_member=int(args.max_connections_per_member),
+                        idle_timeout_seconds=args.idle_timeout, heartbeat_seconds=args.heartbeat,
+                        heartbeat_timeout_seconds=args.heartbeat_timeout,
+                        max_frame_bytes=int(args.max_frame_bytes),
+                        max_subscriptions_per_connection=int(args.max_subscriptions),
+                        push_buffer_bytes=int(args.push_buffer_bytes),
+                        push_buffer_events=int(args.push_buffer_events),
+                        push_timeout_seconds=args.push_timeout)
+
+
 def _serve(args: argparse.Namespace) -> int:
     config = _database_config(args)
-    server_config = ServerConfig(host=args.host, port=args.port, log_level=args.log_level,
-                                 auth_timeout_seconds=args.auth_timeout, session_ttl_seconds=args.session_ttl,
-                                 commands_per_second=args.commands_per_second,
-                                 command_burst=int(2 * args.commands_per_second),
-                                 max_connections_per_member=int(args.max_connections_per_member),
-                                 idle_timeout_seconds=args.idle_timeout, heartbeat_seconds=args.heartbeat,
-                                 heartbeat_timeout_seconds=args.heartbeat_timeout,
-                                 max_frame_bytes=int(args.max_frame_bytes),
-                                 max_subscriptions_per_connection=int(args.max_subscriptions),
-                                 push_buffer_bytes=int(args.push_buffer_bytes),
-                                 push_buffer_events=int(args.push_buffer_events),
-                                 push_timeout_seconds=args.push_timeout)
+    server_config = server_config_from(args)
     with provisioned(config) as target:
         trio.run(_serve_async, target, config, server_config, _session_key_file(args, config))
     log.info("stopped")

@@ -182,3 +182,21 @@ async def test_second_serve_on_one_data_dir_fails_clearly(data_dir: Path):
     assert "in use" in second.stderr
     assert (await ping(served.url))["type"] == "result"
     assert await stop_serve(served) == 0
+
+
+def test_every_limit_flag_reaches_the_server_config(monkeypatch):
+    from server.cli import build_parser, server_config_from
+
+    flags = {"--auth-timeout": 3, "--session-ttl": 120, "--commands-per-second": 7, "--max-connections-per-member": 4,
+             "--idle-timeout": 50, "--heartbeat": 9, "--heartbeat-timeout": 8, "--max-frame-bytes": 5000,
+             "--max-subscriptions": 6, "--push-buffer-bytes": 7000, "--push-buffer-events": 11, "--push-timeout": 2}
+    argv = ["serve"] + [str(part) for flag, value in flags.items() for part in (flag, value)]
+    config = server_config_from(build_parser().parse_args(argv))
+    assert (config.auth_timeout_seconds, config.session_ttl_seconds, config.commands_per_second,
+            config.command_burst, config.max_connections_per_member, config.idle_timeout_seconds,
+            config.heartbeat_seconds, config.heartbeat_timeout_seconds, config.max_frame_bytes,
+            config.max_subscriptions_per_connection, config.push_buffer_bytes, config.push_buffer_events,
+            config.push_timeout_seconds) == (3, 120, 7, 14, 4, 50, 9, 8, 5000, 6, 7000, 11, 2)
+    # And the environment fallback, for one of them.
+    monkeypatch.setenv("SCOPEWIRE_PUSH_BUFFER_BYTES", "4096")
+    assert server_config_from(build_parser().parse_args(["serve"])).push_buffer_bytes == 4096
