@@ -1,5 +1,5 @@
 """The outbox worker: leases due rows of scope_fanout_outbox, re-checks
-suppression, replays the side effect (publishes the committed event), and
+the execution generation and suppression, replays the side effect (publishes the committed event), and
 settles the row; failures back off exponentially up to max_attempts.  Fanout
 failure never touches the committed message."""
 
@@ -10,7 +10,7 @@ import logging
 import trio
 
 from actors.fanout import CommittedEvent, FanoutHub
-from storage import applier, messages
+from storage import applier, messages, visibility
 from storage.bridge import Database
 from storage.errors import DatabaseUnavailable
 from storage.ids import new_id
@@ -56,6 +56,9 @@ class OutboxWorker:
         return len(rows)
 
     async def _deliver(self, row) -> None:
+        if await self.db.transaction(applier.suppress_if_fenced, row["id"], row["workspace_id"],
+                                     row["execution_generation"]) is not None:
+            return
         message = await self.db.run(messages.committed_message, row["scope_id"], row["message_id"])
         if message is None:
             await self.db.transaction(applier.settle_suppressed, row["id"], "message_missing")
@@ -64,7 +67,7 @@ class OutboxWorker:
         if row["fanout_type"] == "message.created" and message.state == "withdrawn":
             await self.db.transaction(applier.settle_suppressed, row["id"], "message_withdrawn")
             return
-        roster = await self.db.run(messages.open_roster, row["scope_id"])
+        roster = await self.db.run(visibility.entitled_roster, row["scope_id"])
         self.hub.publish(CommittedEvent(row["fanout_type"], row["workspace_id"], row["scope_id"], message.seq,
                                         message.workspace_global_seq, message), roster=roster)
         await self.db.transaction(applier.settle_delivered, [row["id"]])

@@ -109,6 +109,14 @@ class MembershipMutation:
 
 
 @dataclass(frozen=True)
+class ChannelProfile:
+    slug: str
+    display_name: str
+    description: str
+    visibility: str  # public | private
+
+
+@dataclass(frozen=True)
 class OutboxEvent:
     event_ref_type: str
     fanout_type: str

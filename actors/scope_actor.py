@@ -27,11 +27,20 @@ import asyncpg
 import trio
 
 from actors.fanout import CommittedEvent, FanoutHub
-from actors.plan import ActorContext, CommittedMessage, MembershipMutation, MessageIntent, MessagePlan, ScopeContext
+from actors.plan import (
+    ActorContext,
+    ChannelProfile,
+    CommittedMessage,
+    MembershipMutation,
+    MessageIntent,
+    MessagePlan,
+    RosterEntry,
+    ScopeContext,
+)
 from actors.planner import PlanRefused, mention_handles, plan_message
 from actors.policy import can_add_member
 from actors.routing_tokens import TooManyRoutingTokens
-from storage import applier, messages, tenancy
+from storage import applier, messages, tenancy, visibility
 from storage.bridge import Database
 from storage.errors import Conflict, DatabaseUnavailable, NotFound, StorageError, WriteFenced
 
@@ -48,6 +57,16 @@ class Refused(Exception):
         self.code = code
         self.message = message
         self.reason = reason
+
+
+class ActorFailed(Exception):
+    """The actor hit an unexpected error (a bug, not a storage failure) while it
+    held this command's batch; the server answers `internal`."""
+
+
+class ActorUnavailable(DatabaseUnavailable):
+    """The scope actor could not take or answer the command in time, or it
+    stopped before running it; nothing is known to have committed: retry."""
 
 
 class Reply:
@@ -84,13 +103,37 @@ class Command:
 
 
 @dataclass
+class CreateScope(Command):
+    """Create this actor's scope and open its first memberships in one
+    transaction, so the actor writes its roster from the first row on.  The
+    reply is the scope id: another scope's when a DM of the same pair or a
+    thread of the same root was created first (then nothing is written)."""
+
+    scope_type: str
+    initial: tuple[MembershipMutation, ...]  # decided by the caller: creator, DM pair, thread starters
+    invitees: tuple[str, ...] = ()  # added by the creator, checked like scope.invite
+    channel: ChannelProfile | None = None
+    identity_key: str | None = None
+    parent_scope_id: str | None = None
+    root_message_id: str | None = None
+
+
+@dataclass
 class Send(Command):
     intent: MessageIntent
 
 
 @dataclass
 class ChangeMembers(Command):
-    action: str  # join | join_thread | invite | leave | remove
+    action: str  # join | join_thread | invite | leave | remove | reopen_dm
+    member_ids: tuple[str, ...]
+
+
+@dataclass
+class CloseDeparted(Command):
+    """System: close the open memberships of members who are no longer active in
+    the workspace (removed or disabled); the others' are left alone."""
+
     member_ids: tuple[str, ...]
 
 
@@ -201,13 +244,21 @@ class ScopeActor:
                 previous, pending = pending, None
                 try:
                     pending = await self._commit(batch, previous)
+                except Exception as exc:
+                    # Every caller of the failed batch gets an answer; the registry
+                    # logs the crash and the next command starts a fresh actor.
+                    failure = (exc if isinstance(exc, DatabaseUnavailable)
+                               else ActorFailed(f"scope actor failed: {type(exc).__name__}"))
+                    for command in batch:
+                        command.reply.fail(failure)
+                    raise
                 finally:
                     if previous is not None:
                         self._publish(previous)  # a no-op once the overlap published it
         finally:
             self.stopped = True
             self.mailbox.close()
-            error = DatabaseUnavailable("scope actor stopped; retry")
+            error = ActorUnavailable("scope actor stopped; retry")
             while True:
                 try:
                     self._inbox.receive_nowait().reply.fail(error)
@@ -222,11 +273,9 @@ class ScopeActor:
         on this thread while PostgreSQL works on this one: the two costs
         overlap instead of adding up (the caller publishes it if that never
         happened, e.g. the transaction could not start)."""
-        publication = _Publication()
         if self.state is None:
-            for command in batch:
-                command.reply.fail(NotFound("scope"))
-            return publication
+            return await self._create(batch)
+        publication = _Publication()
         settling = list(self._unsettled)
         try:
             if previous is not None:
@@ -244,19 +293,23 @@ class ScopeActor:
                 command.reply.fail(exc)
             return publication
         del self._unsettled[:len(settling)]
+        # Answered before anything else can fail: the batch has committed.
+        for command, outcome in zip(batch, outcomes):
+            if isinstance(outcome, BaseException):
+                command.reply.fail(outcome)
+            else:
+                command.reply.set(outcome.value)
         before = self._roster_set
-        if self._roster_dirty or any(isinstance(c, (ChangeMembers, Archive)) for c in batch):
+        if self._roster_dirty or any(isinstance(c, (ChangeMembers, CloseDeparted, Archive)) for c in batch):
             self._roster_dirty = False
             self.state = await self.db.run(messages.load_scope_context, self.scope_id)
             # Rebuilt only when the roster changes: copying a 10,000-member roster per
             # batch was the largest CPU cost of a send into a big scope (bench/send.py).
             self._roster_set = frozenset(self.state.roster) if self.state else frozenset()
         roster = self._roster_set
-        for command, outcome in zip(batch, outcomes):
+        for outcome in outcomes:
             if isinstance(outcome, BaseException):
-                command.reply.fail(outcome)
                 continue
-            command.reply.set(outcome.value)
             for event in outcome.events:
                 # A member who just left still hears about their own removal.
                 publication.items.append(
@@ -267,6 +320,65 @@ class ScopeActor:
                         self.state.latest_seq = max(self.state.latest_seq, event.seq)
         publication.wake_outbox = any(isinstance(c, (Edit, Withdraw)) for c in batch)
         return publication
+
+    async def _create(self, batch: list[Command]) -> _Publication:
+        """The scope does not exist (yet): only its creation can run."""
+        publication = _Publication()
+        for command in batch:
+            if not isinstance(command, CreateScope) or self.state is not None:
+                command.reply.fail(NotFound("scope"))
+                continue
+            try:
+                outcome = await self.db.transaction(self._apply_create, command)
+            except (StorageError, Refused, asyncpg.PostgresError) as exc:
+                command.reply.fail(exc)
+                continue
+            command.reply.set(outcome.value)
+            if outcome.value == self.scope_id:
+                self.state = await self.db.run(messages.load_scope_context, self.scope_id)
+                self._roster_set = frozenset(self.state.roster) if self.state else frozenset()
+            publication.items += [(event, self._roster_set) for event in outcome.events]
+        return publication
+
+    async def _apply_create(self, conn: asyncpg.Connection, command: CreateScope) -> _Outcome:
+        actor = command.actor
+        await tenancy.pass_write_fence(conn, actor.workspace_id, actor.execution_generation)
+        scope_id = await applier.insert_scope(
+            conn, scope_id=self.scope_id, workspace_id=actor.workspace_id, type=command.scope_type,
+            created_by=actor.member_id, identity_key=command.identity_key,
+            parent_scope_id=command.parent_scope_id, root_message_id=command.root_message_id)
+        if scope_id != self.scope_id:
+            return _Outcome(scope_id)
+        if command.channel is not None:
+            profile = command.channel
+            await applier.insert_channel_profile(
+                conn, scope_id=scope_id, workspace_id=actor.workspace_id, owner=actor.member_id, slug=profile.slug,
+                display_name=profile.display_name, description=profile.description, visibility=profile.visibility)
+        mutations = list(command.initial)
+        if command.invitees:
+            # Invitees are checked as scope.invite would, against the roster so far.
+            state = ScopeContext(
+                scope_id=scope_id, workspace_id=actor.workspace_id, type=command.scope_type, status="active",
+                parent_scope_id=command.parent_scope_id, root_message_id=command.root_message_id, latest_seq=0,
+                roster_generation=0, visibility=command.channel.visibility if command.channel else None,
+                roster={m.member_id: RosterEntry(m.member_id, actor.member_kind if m.member_id == actor.member_id
+                                                 else "", m.visibility, m.owner_member_id, 0) for m in mutations})
+            for member_id in command.invitees:
+                candidate = await messages.member_candidate(conn, actor.workspace_id, member_id)
+                decision = can_add_member(actor, state, candidate, None)
+                if not decision.allowed:
+                    code = "conflict" if decision.reason == "already_member" else "forbidden"
+                    raise Refused(code, f"cannot add member: {decision.reason}", decision.reason)
+                private = candidate.kind == "agent" and candidate.visibility == "private"
+                mutation = MembershipMutation(member_id, "open", "private" if private else "public",
+                                              candidate.owner_member_id if private else None)
+                mutations.append(mutation)
+                state.roster[member_id] = RosterEntry(member_id, candidate.kind, mutation.visibility,
+                                                      mutation.owner_member_id, 0)
+        generation = await applier.apply_membership_mutations(conn, actor.workspace_id, scope_id, mutations, 0)
+        return _Outcome(scope_id, [CommittedEvent("membership.changed", actor.workspace_id, scope_id, None, None,
+                                                  {"member_id": m.member_id, "action": "open",
+                                                   "roster_generation": generation}) for m in mutations])
 
     def _publish(self, publication: _Publication) -> None:
         if publication.published:
@@ -378,8 +490,12 @@ class ScopeActor:
 
     async def _apply_other(self, conn: asyncpg.Connection, state: ScopeContext, command: Command) -> _Outcome:
         actor = command.actor
+        if isinstance(command, CreateScope):
+            raise Conflict("scope_exists", "the scope exists")
         if isinstance(command, ChangeMembers):
             return await self._change_members(conn, state, command)
+        if isinstance(command, CloseDeparted):
+            return await self._close_departed(conn, state, command)
         if actor.member_id not in state.roster and not isinstance(command, Archive):
             raise Refused("forbidden", "not a member of this scope", "not_a_member")
         if isinstance(command, Edit):
@@ -451,11 +567,19 @@ class ScopeActor:
                 mutations.append(MembershipMutation(member_id, "open", entry.visibility, entry.owner_member_id))
                 continue
             candidate = await messages.member_candidate(conn, state.workspace_id, member_id)
+            private = candidate.kind == "agent" and candidate.visibility == "private"
+            if command.action == "reopen_dm":
+                # A DM's roster is its pair (the caller found this DM by the pair's key):
+                # a member of the pair who is active again gets a new interval.
+                if state.type != "dm" or candidate.status != "active" or member_id in state.roster:
+                    raise Refused("conflict", "the DM membership cannot be reopened", "not_reopenable")
+                mutations.append(MembershipMutation(member_id, "open", "private" if private else "public",
+                                                    candidate.owner_member_id if private else None))
+                continue
             decision = can_add_member(actor, state, candidate, parent)
             if not decision.allowed:
                 code = "conflict" if decision.reason == "already_member" else "forbidden"
                 raise Refused(code, f"cannot add member: {decision.reason}", decision.reason)
-            private = candidate.kind == "agent" and candidate.visibility == "private"
             mutations.append(MembershipMutation(member_id, "open", "private" if private else "public",
                                                 candidate.owner_member_id if private else None))
         generation = await applier.apply_membership_mutations(conn, state.workspace_id, state.scope_id, mutations,
@@ -464,6 +588,19 @@ class ScopeActor:
                                  {"member_id": m.member_id, "action": m.action, "roster_generation": generation})
                   for m in mutations]
         return _Outcome({"roster_generation": generation}, events)
+
+    async def _close_departed(self, conn: asyncpg.Connection, state: ScopeContext,
+                              command: CloseDeparted) -> _Outcome:
+        departed = await visibility.departed_among(conn, state.workspace_id, state.scope_id, list(command.member_ids))
+        if not departed:
+            return _Outcome({"closed": []})
+        generation = await applier.apply_membership_mutations(
+            conn, state.workspace_id, state.scope_id, [MembershipMutation(m, "close") for m in departed],
+            state.latest_seq)
+        return _Outcome({"closed": departed}, [
+            CommittedEvent("membership.changed", state.workspace_id, state.scope_id, None, None,
+                           {"member_id": m, "action": "close", "reason": "departed", "roster_generation": generation})
+            for m in departed])
 
 
 def _safe_handles(intent: MessageIntent) -> tuple[str, ...]:

@@ -859,7 +859,12 @@ async def start_server(side: str, fx: Fixture, args: argparse.Namespace, procs: 
                        tag: str) -> tuple[asyncio.subprocess.Process, str]:
     with (fx.log_dir / f"{tag}-{side}.log").open("wb") as log:  # the child keeps its own descriptor
         if side == "scopewire":
-            serve = ["serve", "--data-dir", str(fx.data_dir), "--port", "0", "--log-level", args.log_level]
+            # Every subscriber is a connection of one service member, all from 127.0.0.1:
+            # lift the per-member and flood caps far past what a run opens.
+            caps = "1000000"
+            serve = ["serve", "--data-dir", str(fx.data_dir), "--port", "0", "--log-level", args.log_level,
+                     "--max-connections-per-member", caps, "--max-connections", caps, "--max-unauthenticated", caps,
+                     "--max-unauthenticated-per-address", caps]
             if args.gc_stats:
                 launcher = [str(Path(__file__).resolve()), "--role", "scopewire-gc-stats",
                             "--gc-stats-file", str(fx.log_dir / f"{tag}-gc-stats.json"),

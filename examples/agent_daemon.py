@@ -26,6 +26,9 @@ from client.resuming import ResumingClient  # noqa: E402
 
 
 def routed_to_me(event: dict, member_id: str, dm_scopes: set[str]) -> bool:
+    """Only server-computed facts decide: `metadata.mentions` is written by the
+    server's mention parser and authorization (a client sending that key gets
+    `invalid`), and whether a scope is a DM comes from `scope.get`."""
     if event.get("event") != "message.created":
         return False
     data = event["data"]

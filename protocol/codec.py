@@ -8,6 +8,7 @@ import msgspec
 
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.frames import KNOWN_OPS, ClientFrame, Envelope, Error
+from protocol.validation import check_request
 
 _json_decoder = msgspec.json.Decoder(ClientFrame)
 _msgpack_decoder = msgspec.msgpack.Decoder(ClientFrame)
@@ -18,11 +19,15 @@ _msgpack_encoder = msgspec.msgpack.Encoder()
 
 
 def decode_request(raw: str | bytes, *, binary: bool) -> Any:
-    """A typed request, or ProtocolError(bad_frame | unknown_op) carrying the
-    request id when one could be recovered."""
+    """A typed request that passed protocol.validation, or ProtocolError
+    (bad_frame | unknown_op | invalid) carrying the request id when one could
+    be recovered."""
     try:
-        return (_msgpack_decoder if binary else _json_decoder).decode(raw)
-    except msgspec.DecodeError as exc:
+        request = (_msgpack_decoder if binary else _json_decoder).decode(raw)
+    except RecursionError:
+        # Nesting deeper than the interpreter's stack: no envelope is recoverable either.
+        raise ProtocolError(ErrorCode.BAD_FRAME, "nested too deeply") from None
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # MessagePack strings may not be UTF-8
         envelope = _recover_envelope(raw, binary)
         request_id = envelope.id if isinstance(envelope.id, str) and 0 < len(envelope.id) <= 64 else None
         if isinstance(envelope.op, str) and envelope.op not in KNOWN_OPS:
@@ -31,12 +36,14 @@ def decode_request(raw: str | bytes, *, binary: bool) -> Any:
             error = ProtocolError(ErrorCode.BAD_FRAME, str(exc)[:500])
         error.details["id"] = request_id
         raise error from None
+    check_request(request)
+    return request
 
 
 def _recover_envelope(raw: str | bytes, binary: bool) -> Envelope:
     try:
         envelope = (_msgpack_envelope if binary else _json_envelope).decode(raw)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
         return Envelope()
     return envelope
 

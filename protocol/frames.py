@@ -220,6 +220,10 @@ class ScopeArchive(WorkspaceRequest, tag="scope.archive"):
 
 
 class MessageSend(WorkspaceRequest, tag="message.send"):
+    """A plain user message: `message_type` is `text` or `markdown` (other types
+    come from their own commands); `metadata` is client-owned JSON that never
+    carries routing facts (see `input_rules`)."""
+
     scope_id: Id
     content: Content
     client_message_id: ClientMessageId | None = None
@@ -579,3 +583,4 @@ CLOSE_UNAUTHENTICATED = 4401  # auth timeout or failed authentication
 CLOSE_REVOKED = 4403          # the credential was revoked, expired, or the membership ended
 CLOSE_SLOW_CONSUMER = 4408    # the client did not keep up; reconnect and resume from your cursors
 CLOSE_IDLE = 4400             # no frame from the client for idle_timeout_seconds
+CLOSE_UNAVAILABLE = 1011      # the server could not deliver (e.g. database down); resume from your cursors

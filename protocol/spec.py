@@ -11,7 +11,7 @@ from typing import Union
 
 import msgspec
 
-from protocol import frames
+from protocol import frames, validation
 from protocol.errors import ErrorCode
 
 SPEC_PATH = Path(__file__).with_name("protocol.schema.json")
@@ -40,6 +40,16 @@ def build() -> dict:
         "server_frame": server_schema,
         "results": {t.__name__: r for t, r in zip(RESULT_TYPES, results)},
         "error_codes": [code.value for code in ErrorCode],
+        "input_rules": {  # protocol/validation.py: breaking one answers `invalid` with details.field
+            "no_nul_in_any_string": True,
+            "name_fields": sorted(validation.NAME_FIELDS),
+            "name_forbidden_unicode_categories": sorted(validation.FORBIDDEN_NAME_CATEGORIES),
+            "client_message_types": list(validation.CLIENT_MESSAGE_TYPES),
+            "reserved_metadata_keys": sorted(validation.RESERVED_METADATA_KEYS),
+            "max_metadata_depth": validation.MAX_METADATA_DEPTH,
+            "max_metadata_bytes": validation.MAX_METADATA_BYTES,
+            "max_metadata_integer": validation.MAX_SAFE_INTEGER,
+        },
         "close_codes": {"1001": "server shutting down",
                         "1002": "WebSocket protocol violation (e.g. an unmasked client frame)",
                         "1007": "a text frame that is not UTF-8",
@@ -47,7 +57,9 @@ def build() -> dict:
                         str(frames.CLOSE_UNAUTHENTICATED): "authentication timeout",
                         str(frames.CLOSE_REVOKED): "credential revoked or expired",
                         str(frames.CLOSE_SLOW_CONSUMER): "slow consumer: reconnect and resume from your cursors",
-                        str(frames.CLOSE_IDLE): "idle timeout"},
+                        str(frames.CLOSE_IDLE): "idle timeout",
+                        str(frames.CLOSE_UNAVAILABLE): "unavailable: delivery failed (e.g. the database is down); "
+                                                       "reconnect and resume from your cursors"},
         "$defs": components,
     }
 

@@ -30,8 +30,8 @@ from protocol.errors import ErrorCode, ProtocolError
 from actors.fanout import FanoutHub
 from actors.outbox_worker import OutboxWorker
 from actors.registry import ScopeRegistry
-from server import handlers
-from server.messaging import KeyedRateLimiter, TokenBucket
+from server import handlers, messaging
+from server.limits import ConnectionAdmission, KeyedRateLimiter, LoginThrottle, TokenBucket
 from server import transport
 from server.auth import Authenticator
 from server.config import ServerConfig
@@ -46,6 +46,10 @@ from storage.ids import new_id
 
 log = logging.getLogger("scopewire.server")
 
+# Retries of a revocation check that failed on the database (a resync), doubling.
+RESYNC_BACKOFF_FIRST = 0.5
+RESYNC_BACKOFF_MAX = 10.0
+
 MSGPACK_SUBPROTOCOL = "scopewire.msgpack"
 JSON_SUBPROTOCOL = "scopewire.json"
 
@@ -55,10 +59,12 @@ class Connection:
     """One client's session over its WebSocket: who it is and what it follows."""
 
     ws: WebSocket
+    address: str = ""  # the client's IP address
     id: str = field(default_factory=lambda: new_id("con"))
     principal: Principal | None = None
     session_expires_at: float | None = None
     closing: bool = False  # set by a handler: close (4403) after this reply
+    answering: bool = False  # a command is being answered (the socket is not read meanwhile)
     push: PushState | None = None
     last_inbound: float = field(default_factory=trio.current_time)
     command_bucket: TokenBucket | None = None
@@ -128,9 +134,18 @@ class Server:
     registry: ScopeRegistry | None = None
     outbox: OutboxWorker | None = None
     port: int | None = None
+    # Already bound (the CLI binds before touching the database, to fail fast); else run() binds.
+    listeners: list[trio.SocketListener] | None = None
     # Starts a task next to the connection tasks (flushes, replays); set while serving.
     spawn: Callable[..., Any] | None = None
     _edition: str | None = None
+    admission: ConnectionAdmission = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.admission = ConnectionAdmission(
+            max_connections=self.config.max_connections,
+            max_unauthenticated=self.config.max_unauthenticated_connections,
+            max_unauthenticated_per_address=self.config.max_unauthenticated_per_address)
 
     async def edition(self) -> str | None:
         if self._edition is None:
@@ -138,34 +153,49 @@ class Server:
         return self._edition
 
     async def run(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
-        """Serve until cancelled; then close every connection, then stop the actors."""
+        """Serve until cancelled; then close every connection (1001, bounded by
+        the shutdown grace), then stop the actors."""
         async with trio.open_nursery() as actors_nursery:
             self.outbox = OutboxWorker(self.db, self.hub)
             outbox = self.outbox
             self.registry = ScopeRegistry(self.db, self.hub, actors_nursery, idle_seconds=self.config.actor_idle_seconds,
                                           outbox_wake=lambda: outbox.wake.set())
             await actors_nursery.start(self.outbox.run)
+            await actors_nursery.start(messaging.sweep_departed_members, self)
+            # Cancelling run() must not reach the connection tasks at once: they
+            # still run the closing handshakes.  So the serving part is shielded,
+            # and a sentinel task turns the cancellation into a stop request.
+            stop = trio.Event()
+            actors_nursery.start_soon(_set_when_cancelled, stop)
             try:
-                await self._serve(task_status=task_status)
+                with trio.CancelScope(shield=True):
+                    await self._serve(stop, task_status=task_status)
             finally:
                 actors_nursery.cancel_scope.cancel()
 
-    async def _serve(self, *, task_status: trio.TaskStatus[int]) -> None:
+    async def _serve(self, stop: trio.Event, *, task_status: trio.TaskStatus[int]) -> None:
         async with trio.open_nursery() as handlers_nursery:
             # Connection tasks, and the short-lived flush and replay tasks of connections.
             self.spawn = handlers_nursery.start_soon
+            listeners: list[trio.SocketListener] = []
             try:
                 async with trio.open_nursery() as background:
                     await background.start(self._watch_revocations)
                     background.start_soon(self._heartbeat)
-                    listeners = await trio.open_tcp_listeners(self.config.port, host=self.config.host)
+                    listeners = self.listeners or await trio.open_tcp_listeners(self.config.port,
+                                                                                host=self.config.host)
                     for listener in listeners:
                         background.start_soon(transport.accept_loop, listener, self._handle, handlers_nursery)
                     self.port = listeners[0].socket.getsockname()[1]
                     task_status.started(self.port)
+                    await stop.wait()
+                    background.cancel_scope.cancel()
             finally:
-                with trio.CancelScope(shield=True):
-                    await self._close_many([(c, "server shutting down") for c in self.connections.all],
+                for listener in listeners:  # stop accepting: new clients are refused, not left in the backlog
+                    await listener.aclose()
+                # Each closing handshake is bounded by the grace (see _close_many); this bounds them all.
+                with trio.move_on_after(self.config.shutdown_grace_seconds + 1):
+                    await self._close_many([(c, "server shutting down") for c in list(self.connections.all)],
                                            frames.CLOSE_GOING_AWAY)
                 handlers_nursery.cancel_scope.cancel()
 
@@ -176,45 +206,65 @@ class Server:
         return next((p for p in (MSGPACK_SUBPROTOCOL, JSON_SUBPROTOCOL) if p in offered), None)
 
     async def _handle(self, sock) -> None:
-        auth_deadline = trio.current_time() + self.config.auth_timeout_seconds
-        ws = await transport.handshake(sock, deadline=auth_deadline, choose_subprotocol=self._choose_subprotocol,
-                                       spawn=self.spawn, max_message_bytes=self.config.max_frame_bytes,
-                                       close_grace=self.config.shutdown_grace_seconds)
-        if ws is None:
+        address = transport.peer_address(sock)
+        if not self.admission.admit(address):
+            transport.refuse(sock)
             return
-        ws.binary = ws.subprotocol == MSGPACK_SUBPROTOCOL
-        connection = Connection(ws=ws, command_bucket=TokenBucket(self.config.commands_per_second,
-                                                                  self.config.command_burst))
-        self.connections.add(connection)
+        connection: Connection | None = None
         try:
-            await self._serve_connection(connection, auth_deadline)
-        except ConnectionClosed:
-            pass
-        except Exception:  # one broken connection must never take the server down
-            log.exception("connection failed", extra={"connection": connection.id})
+            auth_deadline = trio.current_time() + self.config.auth_timeout_seconds
+            ws = await transport.handshake(sock, deadline=auth_deadline, choose_subprotocol=self._choose_subprotocol,
+                                           spawn=self.spawn, max_message_bytes=self.config.max_frame_bytes,
+                                           close_grace=self.config.shutdown_grace_seconds)
+            if ws is None:
+                return
+            ws.binary = ws.subprotocol == MSGPACK_SUBPROTOCOL
+            connection = Connection(ws=ws, address=address,
+                                    command_bucket=TokenBucket(self.config.commands_per_second,
+                                                               self.config.command_burst))
+            self.connections.add(connection)
+            try:
+                await self._serve_connection(connection, auth_deadline)
+            except ConnectionClosed:
+                pass
+            except Exception:  # one broken connection must never take the server down
+                log.exception("connection failed", extra={"connection": connection.id})
+            finally:
+                if connection.push is not None:
+                    connection.push.stop()
+                self.connections.remove(connection)
+                ws.abort()
         finally:
-            if connection.push is not None:
-                connection.push.stop()
-            self.connections.remove(connection)
-            ws.abort()
+            self.admission.release(address, authenticated=connection is not None and connection.principal is not None)
 
     async def _serve_connection(self, connection: Connection, auth_deadline: float) -> None:
         ws = connection.ws
         while True:
             raw = None
-            with trio.move_on_at(auth_deadline if connection.principal is None else float("inf")):
+            # Each connection waits on its own deadline: the idle timeout holds to
+            # the moment whatever the heartbeat interval (pongs do not count).
+            idle_deadline = connection.last_inbound + self.config.idle_timeout_seconds
+            with trio.move_on_at(min(idle_deadline, auth_deadline) if connection.principal is None
+                                 else idle_deadline):
                 raw = await ws.receive()
             if raw is None:
-                await connection.send(error_frame(ProtocolError(ErrorCode.UNAUTHENTICATED, "authentication timeout"),
-                                                  None))
-                ws.close_soon(frames.CLOSE_UNAUTHENTICATED, "authentication timeout")
+                if connection.principal is None and trio.current_time() >= auth_deadline:
+                    await connection.send(error_frame(ProtocolError(ErrorCode.UNAUTHENTICATED,
+                                                                    "authentication timeout"), None))
+                    ws.close_soon(frames.CLOSE_UNAUTHENTICATED, "authentication timeout")
+                else:
+                    ws.close_soon(frames.CLOSE_IDLE, "idle timeout")
                 await self._drain_until_closed(ws)
                 return
             connection.last_inbound = trio.current_time()
             if not connection.command_bucket.take():
                 await connection.send(self._rate_limited(raw, connection.binary))
             else:
-                await connection.send(await self._answer(connection, raw))
+                connection.answering = True
+                try:
+                    await connection.send(await self._answer(connection, raw))
+                finally:
+                    connection.answering = False
             if connection.closing:
                 ws.close_soon(frames.CLOSE_REVOKED, "sessions revoked")
             if ws.closing:
@@ -274,6 +324,8 @@ class Server:
         if connection.principal is not None:
             self.connections.remove(connection)
             self.connections.add(connection)
+        else:
+            self.admission.authenticated(connection.address)
         connection.principal = principal
         connection.session_expires_at = expires_at
         self.connections.authenticated(connection)
@@ -281,49 +333,66 @@ class Server:
     # --- heartbeat and idle ------------------------------------------------------------------
 
     async def _heartbeat(self) -> None:
-        """Every heartbeat interval: close connections idle past idle_timeout_seconds
-        (4400) and ping the rest; one that has not answered within
-        heartbeat_timeout_seconds is aborted."""
+        """Every heartbeat interval: ping every connection; one that has not
+        answered within heartbeat_timeout_seconds is aborted.  (The idle timeout
+        is each connection's own receive deadline, see _serve_connection.)"""
         async with trio.open_nursery() as checks:
             while True:
                 await trio.sleep(self.config.heartbeat_seconds)
-                now = trio.current_time()
-                idle, pinged = [], []
+                pinged = []
                 for connection in self.connections.all:
-                    if connection.ws.closing:
-                        continue
-                    if now - connection.last_inbound > self.config.idle_timeout_seconds:
-                        idle.append((connection, "idle timeout"))
-                    elif not connection.ws.awaiting_pong:
-                        connection.ws.ping()
-                        pinged.append(connection)
-                checks.start_soon(self._close_many, idle, frames.CLOSE_IDLE)
+                    if not connection.ws.closing:
+                        if not connection.ws.awaiting_pong:
+                            connection.ws.ping()
+                        pinged.append(connection)  # still awaiting an earlier pong: checked again
                 checks.start_soon(self._expect_pongs, pinged)
 
     async def _expect_pongs(self, pinged: list[Connection]) -> None:
         await trio.sleep(self.config.heartbeat_timeout_seconds)
         for connection in pinged:
-            if connection.ws.awaiting_pong and not connection.ws.closing:
+            # While a command is answered nobody reads the socket, so a pong may wait
+            # there unparsed: only an idle reader's missing pong means a dead peer.
+            if connection.ws.awaiting_pong and not connection.ws.closing and not connection.answering:
                 log.info("no pong; aborting connection", extra={"connection": connection.id})
                 connection.ws.abort()
 
     # --- revocation ----------------------------------------------------------------------
 
     async def _watch_revocations(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Close connections whose credential was revoked (any process) or whose
-        session expired.  Wakes at least every `expiry_sweep_seconds`."""
+        """Close connections whose credential was revoked (any process), whose
+        membership or workspace ended, or whose session expired.  Wakes at least
+        every `expiry_sweep_seconds`.  A database outage does not stop it: a
+        check that failed is retried with backoff as a resync (every connection
+        revalidated), as after a lost LISTEN connection."""
         async with self.db.listen(tenancy.AUTH_CHANNEL) as notifications:
             task_status.started()
+            resync_due = False
+            backoff = RESYNC_BACKOFF_FIRST
             while True:
                 note = None
-                with trio.move_on_after(self.config.expiry_sweep_seconds):
+                with trio.move_on_after(backoff if resync_due else self.config.expiry_sweep_seconds):
                     note = await notifications.receive()
-                if note is not None:
-                    if note.resync:
+                try:
+                    if resync_due or (note is not None and note.resync):
+                        resync_due = True
                         await self._revalidate(list(self.connections.all))
-                    if note.payload:
+                        resync_due, backoff = False, RESYNC_BACKOFF_FIRST
+                    if note is not None and note.payload:
                         await self._apply_auth_event(json.loads(note.payload))
+                except DatabaseUnavailable as exc:
+                    # The event may be lost: the resync covers it once the database is back.
+                    log.warning("revocation check failed; resyncing", extra={"error": str(exc), "retry_in": backoff})
+                    if resync_due:
+                        backoff = min(backoff * 2, RESYNC_BACKOFF_MAX)
+                    resync_due = True
                 await self._close_expired()
+
+    def _in_workspace(self, workspace_id: str) -> list[Connection]:
+        """Connections acting in a workspace: its API keys' and the sessions whose
+        subscriptions follow it (a session's current workspace)."""
+        return [c for c in self.connections.all if c.principal is not None and (
+            c.principal.key_workspace_id == workspace_id
+            or (c.push is not None and c.push.workspace_id == workspace_id))]
 
     async def _apply_auth_event(self, event: dict) -> None:
         kind = event.get("kind")
@@ -332,12 +401,17 @@ class Server:
         elif kind == "api_key":
             await self._revalidate(self.connections.of_api_key(event["api_key_id"]))
         elif kind == "membership":
-            await self._revalidate(self.connections.of_key_member(event["member_id"]))
+            # The member's own connections, and every API key of the workspace (an
+            # agent's key ends with its owner's membership).
+            member_id = event["member_id"]
+            await self._revalidate([c for c in self._in_workspace(event["workspace_id"])
+                                    if c.principal.kind == "api_key"
+                                    or (c.push is not None and c.push.member_id == member_id)])
         elif kind == "workspace":
-            await self._revalidate([c for c in self.connections.all
-                                    if c.principal is not None and c.principal.key_workspace_id == event["workspace_id"]])
+            await self._revalidate(self._in_workspace(event["workspace_id"]))
 
     async def _revalidate(self, connections: list[Connection]) -> None:
+        """Close (4403) those whose credential, membership or workspace is no longer good."""
         revoked: list[tuple[Connection, str]] = []
         for connection in connections:
             principal = connection.principal
@@ -347,6 +421,8 @@ class Server:
                 await self.auth.revalidate(principal)
                 if principal.kind == "api_key":
                     await self.auth.workspace_context(principal, None, await self.edition())
+                elif connection.push is not None:
+                    await self.auth.workspace_context(principal, connection.push.workspace_id, await self.edition())
             except ProtocolError as exc:
                 if exc.code in (ErrorCode.UNAUTHENTICATED, ErrorCode.FORBIDDEN, ErrorCode.NOT_FOUND):
                     log.info("closing revoked connection", extra={"connection": connection.id, "why": exc.message})
@@ -365,3 +441,10 @@ class Server:
             connection.ws.close_soon(code, reason)
         for connection, _ in targets:
             await connection.ws.wait_closed()
+
+
+async def _set_when_cancelled(event: trio.Event) -> None:
+    try:
+        await trio.sleep_forever()
+    finally:
+        event.set()

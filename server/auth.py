@@ -22,6 +22,7 @@ from server.credentials import (
     secret_hash,
     verify_password,
 )
+from server.limits import LoginThrottle
 from server.rbac import Permission, Role, key_scope_permissions, permissions_for
 from storage import messages, tenancy
 from storage.bridge import Database
@@ -48,22 +49,32 @@ class Session:
 
 
 class Authenticator:
-    def __init__(self, db: Database, signer: SessionSigner, session_ttl_seconds: int) -> None:
+    def __init__(self, db: Database, signer: SessionSigner, session_ttl_seconds: int,
+                 throttle: LoginThrottle | None = None) -> None:
         self.db = db
         self.signer = signer
         self.session_ttl_seconds = session_ttl_seconds
+        # Failed login and auth attempts, per account and per source address (server/limits.py).
+        self.throttle = throttle if throttle is not None else LoginThrottle()
 
     def issue(self, account_id: str, token_version: int) -> Session:
         token, claims = self.signer.issue(account_id, token_version, self.session_ttl_seconds)
         return Session(token, claims.exp, Principal(kind="account", account_id=account_id, token_version=token_version))
 
-    async def login(self, email: str, password: str) -> Session:
-        row = await self.db.run(tenancy.account_for_login, normalize_email(email))
-        stored = row["password_hash"] if row is not None and row["password_hash"] else DUMMY_PASSWORD_HASH
-        # scrypt is deliberately slow: keep it off the event loop.
-        matches = await trio.to_thread.run_sync(verify_password, password, stored)
-        if row is None or not matches or row["status"] != "active":
-            raise unauthenticated("invalid email or password")
+    async def login(self, email: str, password: str, *, source: str | None = None) -> Session:
+        """A session for the email and password; rate_limited while the account
+        or the source address is throttled (the password is not checked then)."""
+        email = normalize_email(email)
+        keys = self.throttle.keys(account=email, address=source)
+        with self.throttle.attempt(keys):
+            row = await self.db.run(tenancy.account_for_login, email)
+            stored = row["password_hash"] if row is not None and row["password_hash"] else DUMMY_PASSWORD_HASH
+            # scrypt is deliberately slow: keep it off the event loop.
+            matches = await trio.to_thread.run_sync(verify_password, password, stored)
+            if row is None or not matches or row["status"] != "active":
+                self.throttle.failed(keys)
+                raise unauthenticated("invalid email or password")
+            self.throttle.succeeded(keys)
         return self.issue(row["id"], row["token_version"])
 
     async def check_password(self, account_id: str, email: str, password: str) -> bool:
@@ -72,20 +83,30 @@ class Authenticator:
             return False
         return await trio.to_thread.run_sync(verify_password, password, row["password_hash"])
 
-    async def from_token(self, token: str) -> tuple[Principal, int]:
-        """The principal of a valid, unrevoked session token, and its expiry."""
-        try:
-            claims = self.signer.verify(token)
-        except InvalidToken as exc:
-            raise unauthenticated(str(exc)) from None
-        principal = Principal(kind="account", account_id=claims.sub, token_version=claims.token_version)
-        await self.revalidate(principal, expires_at=claims.exp)
+    async def from_token(self, token: str, *, source: str | None = None) -> tuple[Principal, int]:
+        """The principal of a valid, unrevoked session token, and its expiry.
+        Failures count against the source address (see LoginThrottle)."""
+        keys = self.throttle.keys(address=source)
+        with self.throttle.attempt(keys):
+            try:
+                try:
+                    claims = self.signer.verify(token)
+                except InvalidToken as exc:
+                    raise unauthenticated(str(exc)) from None
+                principal = Principal(kind="account", account_id=claims.sub, token_version=claims.token_version)
+                await self.revalidate(principal, expires_at=claims.exp)
+            except ProtocolError:
+                self.throttle.failed(keys)
+                raise
         return principal, claims.exp
 
-    async def from_api_key(self, key: str) -> tuple[Principal, WorkspaceContext]:
-        row = await self.db.transaction(tenancy.api_key_context, secret_hash(key))
-        if row is None:
-            raise unauthenticated("invalid API key")
+    async def from_api_key(self, key: str, *, source: str | None = None) -> tuple[Principal, WorkspaceContext]:
+        keys = self.throttle.keys(address=source)
+        with self.throttle.attempt(keys):
+            row = await self.db.transaction(tenancy.api_key_context, secret_hash(key))
+            if row is None:
+                self.throttle.failed(keys)
+                raise unauthenticated("invalid API key")
         principal = Principal(kind="api_key", account_id=row["account_id"], api_key_id=row["api_key_id"],
                               key_workspace_id=row["workspace_id"], key_member_id=row["member_id"],
                               key_scopes=tuple(row["scopes"]))

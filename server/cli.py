@@ -10,6 +10,7 @@ import logging
 import os
 import shlex
 import signal
+import socket
 import sys
 from datetime import datetime
 from pathlib import Path
@@ -25,7 +26,8 @@ from server.credentials import load_or_create_signer
 from server.rbac import API_KEY_SCOPES
 from server.config import DatabaseConfig, ServerConfig, default_data_dir
 from storage.cluster import ClusterError
-from storage.lifecycle import embedded_cluster, open_database, provisioned
+from storage.lifecycle import (ClusterLost, DatabaseStartError, database_url_host, embedded_cluster, open_database,
+                               provisioned, supervise_cluster)
 from storage import tenancy
 from storage.errors import Conflict, NotFound
 from storage.migrations import migrate, verify
@@ -48,12 +50,15 @@ def _add_database_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pg-port", type=int, default=_env("PG_PORT"),
                         help="also listen on 127.0.0.1:PORT (default: private unix socket only)")
     parser.add_argument("--pg-run-as", default=_env("PG_RUN_AS"),
-                        help="as root: the existing unprivileged account that runs postgres (default: nobody)")
+                        help="as root: the existing unprivileged account that runs postgres (default: the "
+                             "dedicated 'scopewire' system account, created when absent)")
     parser.add_argument("--log-level", default=_env("LOG_LEVEL", "info"),
                         choices=("debug", "info", "warning", "error"))
 
 
 def _database_config(args: argparse.Namespace) -> DatabaseConfig:
+    if args.database_url:
+        database_url_host(args.database_url)  # a malformed URL fails here, before anything is done
     return DatabaseConfig(
         data_dir=args.data_dir.expanduser().resolve(),
         database_url=args.database_url,
@@ -78,7 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="lifetime of session tokens in seconds (default: %(default)s)")
     for flag, env, default, text in (
             ("--commands-per-second", "COMMANDS_PER_SECOND", "1000", "per-connection command rate (token bucket)"),
-            ("--max-connections-per-member", "MAX_CONNECTIONS_PER_MEMBER", "10000", "live connections per member"),
+            ("--max-connections-per-member", "MAX_CONNECTIONS_PER_MEMBER", "100", "live connections per member"),
+            ("--max-connections", "MAX_CONNECTIONS", "10000", "live connections in all (beyond: HTTP 503)"),
+            ("--max-unauthenticated", "MAX_UNAUTHENTICATED", "1000",
+             "connections not yet authenticated, in all (beyond: HTTP 503)"),
+            ("--max-unauthenticated-per-address", "MAX_UNAUTHENTICATED_PER_ADDRESS", "64",
+             "connections not yet authenticated from one client address (beyond: HTTP 503)"),
+            ("--shutdown-grace", "SHUTDOWN_GRACE", "5", "seconds clients get to answer the close frame at shutdown"),
             ("--idle-timeout", "IDLE_TIMEOUT", "600", "seconds without a client frame before closing (4400)"),
             ("--heartbeat", "HEARTBEAT", "30", "seconds between server pings"),
             ("--heartbeat-timeout", "HEARTBEAT_TIMEOUT", "20", "seconds a ping may go unanswered before aborting"),
@@ -118,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "db":
             return _db_url(args)
         return _with_database(args, _run_admin)
-    except ClusterError as exc:
+    except (ClusterError, DatabaseStartError, ListenError) as exc:
         print(f"scopewire: {exc}", file=sys.stderr)
         return 1
     return 2
@@ -136,23 +147,70 @@ def server_config_from(args: argparse.Namespace) -> ServerConfig:
                         max_subscriptions_per_connection=int(args.max_subscriptions),
                         push_buffer_bytes=int(args.push_buffer_bytes),
                         push_buffer_events=int(args.push_buffer_events),
-                        push_timeout_seconds=args.push_timeout)
+                        push_timeout_seconds=args.push_timeout,
+                        max_connections=int(args.max_connections),
+                        max_unauthenticated_connections=int(args.max_unauthenticated),
+                        max_unauthenticated_per_address=int(args.max_unauthenticated_per_address),
+                        shutdown_grace_seconds=args.shutdown_grace)
+
+
+class ListenError(Exception):
+    """The WebSocket address cannot be listened on; the message is one line for humans."""
+
+
+def bind_listening_sockets(host: str, port: int) -> list[socket.socket]:
+    """Bind and listen the way trio.open_tcp_listeners does, but synchronously and first:
+    a port in use fails before the database is started or migrated."""
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as error:
+        raise ListenError(f"cannot listen on {host}:{port}: {error.strerror}") from None
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, protocol, _, address in addresses:
+            sock = socket.socket(family, kind, protocol)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            sock.listen(socket.SOMAXCONN)
+    except OSError as error:
+        for sock in sockets:
+            sock.close()
+        reason = error.strerror[0].lower() + error.strerror[1:] if error.strerror else str(error)
+        raise ListenError(f"cannot listen on {host}:{port}: {reason}") from None
+    return sockets
 
 
 def _serve(args: argparse.Namespace) -> int:
     config = _database_config(args)
     server_config = server_config_from(args)
-    with provisioned(config) as target:
-        trio.run(_serve_async, target, config, server_config, _session_key_file(args, config))
+    sockets = bind_listening_sockets(server_config.host, server_config.port)
+    try:
+        with provisioned(config) as target:
+            lost = trio.run(_serve_async, target, config, server_config, sockets, _session_key_file(args, config))
+    finally:
+        for sock in sockets:
+            sock.close()
+    if lost is not None:
+        print(f"scopewire: {lost}", file=sys.stderr)  # last, after the shutdown's logs
+        return 1
     log.info("stopped")
     return 0
 
 
-async def _serve_async(target, config: DatabaseConfig, server_config: ServerConfig, key_file: Path) -> None:
+async def _serve_async(target, config: DatabaseConfig, server_config: ServerConfig, sockets: list[socket.socket],
+                       key_file: Path) -> ClusterLost | None:
+    """Serve until SIGINT/SIGTERM, or until the embedded cluster is lost for good (returned)."""
     signer = load_or_create_signer(key_file)
+    lost: list[ClusterLost] = []
     async with open_database(target, config.database_name) as db:
-        server = Server(server_config, db, Authenticator(db, signer, server_config.session_ttl_seconds))
+        server = Server(server_config, db, Authenticator(db, signer, server_config.session_ttl_seconds),
+                        listeners=[trio.SocketListener(trio.socket.from_stdlib_socket(sock)) for sock in sockets])
         async with trio.open_nursery() as nursery:
+            if target.cluster is not None:
+                nursery.start_soon(_supervise, target.cluster, nursery.cancel_scope, lost)
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 port = await nursery.start(server.run)
                 tune_garbage_collector()
@@ -162,6 +220,18 @@ async def _serve_async(target, config: DatabaseConfig, server_config: ServerConf
                     log.info("shutting down", extra={"signal": signal.Signals(signum).name})
                     break
             nursery.cancel_scope.cancel()
+    return lost[0] if lost else None
+
+
+async def _supervise(cluster, serving: trio.CancelScope, lost: list[ClusterLost]) -> None:
+    """Keep the embedded cluster up; when it cannot be, stop serving (exit non-zero) so
+    systemd or the container runtime restarts the whole service."""
+    try:
+        await supervise_cluster(cluster)
+    except ClusterLost as exc:
+        log.error("database lost; shutting down", extra={"error": str(exc)})
+        lost.append(exc)
+        serving.cancel()
 
 
 def tune_garbage_collector() -> None:

@@ -53,7 +53,11 @@ class ServerConfig:
     # ping/pong heartbeat and idle timeout.
     commands_per_second: float = 1000.0
     command_burst: int = 2000
-    max_connections_per_member: int = 10_000
+    max_connections_per_member: int = 100
+    # Connection flood caps (server/limits.py): handshakes beyond them get HTTP 503.
+    max_connections: int = 10_000
+    max_unauthenticated_connections: int = 1_000
+    max_unauthenticated_per_address: int = 64
     heartbeat_seconds: float = 30.0
     heartbeat_timeout_seconds: float = 20.0
     idle_timeout_seconds: float = 600.0

@@ -2,8 +2,9 @@
 
 - Passwords: scrypt (memory-hard) from `cryptography`, with a per-password salt.
 - Session tokens: Ed25519-signed, compact `header.claims.signature` (base64url)
-  carrying sub, iat, exp, jti, token_version.  Nothing about them is stored;
-  bumping the account's token_version revokes all of them.
+  carrying sub, iss, aud, iat, exp, jti, token_version (workspace-multi-tenant.md
+  §9.2).  Nothing about them is stored; bumping the account's token_version
+  revokes all of them.
 - API keys and invitation tokens: 256 random bits; only their SHA-256 is
   stored.  A fast hash is right here: the input is uniformly random, so there
   is nothing to brute-force, and lookups stay one index probe.
@@ -84,8 +85,16 @@ def secret_hash(secret: str) -> bytes:
 
 # --- session tokens --------------------------------------------------------------------
 
+# Who issues session tokens and who accepts them: a token minted for another
+# audience (or by another issuer) with the same key is refused.
+SESSION_ISSUER = "scopewire"
+SESSION_AUDIENCE = "scopewire:websocket"
+
+
 class SessionClaims(msgspec.Struct, forbid_unknown_fields=True):
     sub: str
+    iss: str
+    aud: str
     iat: int
     exp: int
     jti: str
@@ -110,14 +119,15 @@ class SessionSigner:
 
     def issue(self, account_id: str, token_version: int, ttl_seconds: int) -> tuple[str, SessionClaims]:
         now = int(time.time())
-        claims = SessionClaims(sub=account_id, iat=now, exp=now + ttl_seconds, jti=secrets.token_hex(16),
-                               token_version=token_version)
+        claims = SessionClaims(sub=account_id, iss=SESSION_ISSUER, aud=SESSION_AUDIENCE, iat=now,
+                               exp=now + ttl_seconds, jti=secrets.token_hex(16), token_version=token_version)
         signing_input = f"{_HEADER}.{_b64(msgspec.json.encode(claims))}"
         signature = self.private_key.sign(signing_input.encode())
         return f"{signing_input}.{_b64(signature)}", claims
 
     def verify(self, token: str, now: float | None = None) -> SessionClaims:
-        """Claims of a well-signed, unexpired token; InvalidToken otherwise."""
+        """Claims of a well-signed, unexpired token from our issuer for our
+        audience; InvalidToken otherwise."""
         try:
             header, claims_part, signature = token.split(".")
             if header != _HEADER:
@@ -126,6 +136,8 @@ class SessionSigner:
             claims = _claims_decoder.decode(_unb64(claims_part))
         except (ValueError, InvalidSignature, msgspec.DecodeError) as exc:
             raise InvalidToken("invalid session token") from exc
+        if claims.iss != SESSION_ISSUER or claims.aud != SESSION_AUDIENCE:
+            raise InvalidToken("session token for another issuer or audience")
         if claims.exp <= (now if now is not None else time.time()):
             raise InvalidToken("session token expired")
         return claims

@@ -74,7 +74,7 @@ async def _auth_result(server: Server, connection: Connection, token: str | None
 
 
 async def login(server: Server, connection: Connection, request: f.Login, ctx: RequestContext | None) -> f.AuthResult:
-    session = await server.auth.login(request.email, request.password)
+    session = await server.auth.login(request.email, request.password, source=connection.address)
     server.check_connection_limit(session.principal)
     server.authenticated(connection, session.principal, session.expires_at)
     return await _auth_result(server, connection, session.token, session.expires_at)
@@ -84,9 +84,9 @@ async def auth(server: Server, connection: Connection, request: f.Auth, ctx: Req
     if (request.token is None) == (request.api_key is None):
         raise ProtocolError(ErrorCode.BAD_FRAME, "give exactly one of token and api_key")
     if request.token is not None:
-        principal, expires_at = await server.auth.from_token(request.token)
+        principal, expires_at = await server.auth.from_token(request.token, source=connection.address)
     else:
-        principal, _ = await server.auth.from_api_key(request.api_key)
+        principal, _ = await server.auth.from_api_key(request.api_key, source=connection.address)
         expires_at = None
     server.check_connection_limit(principal)
     server.authenticated(connection, principal, expires_at)
@@ -159,6 +159,8 @@ async def member_set_role(server: Server, connection: Connection, request: f.Mem
 async def member_remove(server: Server, connection: Connection, request: f.MemberRemove,
                         ctx: RequestContext) -> f.Ok:
     await ops.remove_member(server.db, ctx, request.member_id)
+    # After the removal committed: its scope memberships close through their actors.
+    await messaging.close_departed_member(server, ctx.workspace.workspace_id, request.member_id)
     return f.Ok()
 
 

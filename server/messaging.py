@@ -9,25 +9,33 @@ except a public channel (its existence is visible), which answers `forbidden`.
 from __future__ import annotations
 
 import json
-import time
+import logging
 from typing import TYPE_CHECKING, Any
 
 import asyncpg
+import trio
 
 from actors import scope_actor as cmd
 from actors.fanout import CommittedEvent
-from actors.plan import ActorContext, CommittedMessage, MessageIntent, SourceRef
+from actors.plan import ActorContext, ChannelProfile, CommittedMessage, MembershipMutation, MessageIntent, SourceRef
 from actors.routing_tokens import MentionMode
 from protocol import frames as f
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.reaction_keys import InvalidReactionKey, normalize_reaction_key
 from server.context import RequestContext, WorkspaceContext
+from server.limits import KeyedRateLimiter, TokenBucket  # noqa: F401 - re-exported
 from server.rbac import Permission
-from storage import applier, messages, tenancy
-from storage.ids import is_valid_id
+from storage import applier, messages, tenancy, visibility
+from storage.errors import StorageError
+from storage.ids import is_valid_id, new_id
 
 if TYPE_CHECKING:
     from server.app import Connection, Server
+
+log = logging.getLogger("scopewire.messaging")
+
+# The acting member of system commands (they pass the fence with the current generation).
+SYSTEM_ACTOR = "system"
 
 
 def _not_found(what: str) -> ProtocolError:
@@ -48,9 +56,17 @@ def _actor(workspace: WorkspaceContext) -> ActorContext:
                         execution_generation=workspace.execution_generation)
 
 
+def _workspace(ctx: RequestContext) -> WorkspaceContext:
+    if ctx.workspace is None:
+        raise ProtocolError(ErrorCode.WORKSPACE_REQUIRED, "this command needs a workspace")
+    return ctx.workspace
+
+
 async def _scope(server: Server, ctx: RequestContext, scope_id: str, permission: Permission, *,
                  allow_discoverable: bool = False) -> tuple[WorkspaceContext, asyncpg.Record]:
-    workspace = ctx.require(permission)
+    # Resolve before checking the permission: a scope the caller cannot see
+    # answers not_found whatever the role (§9.5: 404 before 403).
+    workspace = _workspace(ctx)
     _check_id(scope_id, "scp", "scope")
     if scope_id in ctx.scopes:
         row = ctx.scopes[scope_id]
@@ -62,17 +78,17 @@ async def _scope(server: Server, ctx: RequestContext, scope_id: str, permission:
         if row["discoverable"]:
             raise ProtocolError(ErrorCode.FORBIDDEN, "join the channel first")
         raise _not_found("scope")
-    return workspace, row
+    return ctx.require(permission), row
 
 
 async def _message_scope(server: Server, ctx: RequestContext, message_id: str,
                          permission: Permission) -> tuple[WorkspaceContext, asyncpg.Record]:
-    workspace = ctx.require(permission)
+    workspace = _workspace(ctx)
     _check_id(message_id, "msg", "message")
     row = await server.db.run(messages.message_scope, workspace.workspace_id, workspace.member_id, message_id)
     if row is None:
         raise _not_found("message")
-    return workspace, row
+    return ctx.require(permission), row
 
 
 def scope_info(row: Any, is_member: bool | None = None) -> f.ScopeInfo:
@@ -108,6 +124,53 @@ async def _submit(server: Server, scope_id: str, command: cmd.Command) -> Any:
     except cmd.Refused as exc:
         raise ProtocolError(ErrorCode(exc.code), exc.message,
                             details={"reason": exc.reason} if exc.reason else None) from None
+    except cmd.ActorFailed:
+        # The registry logged the crash once, with its traceback.
+        raise ProtocolError(ErrorCode.INTERNAL, "internal error") from None
+
+
+# --- members who leave the workspace -------------------------------------------------------------
+
+# How often a server looks for memberships a removal left open (another process
+# removed the member, or this one died before closing them).
+DEPARTED_SWEEP_SECONDS = 30.0
+
+
+async def close_departed_member(server: Server, workspace_id: str, member_id: str) -> int:
+    """Close every open scope membership of a member who is no longer active in
+    the workspace, each through its scope's actor (the only roster writer).
+    Returns how many were closed.  Safe to repeat; a failure is left to the sweep."""
+    closed = 0
+    try:
+        generation = await server.db.run(tenancy.current_generation, workspace_id)
+        actor = ActorContext(workspace_id=workspace_id, member_id=SYSTEM_ACTOR, member_kind="system",
+                             owner_member_id=None, execution_generation=generation)
+        for scope_id in await server.db.run(visibility.scopes_with_open_membership, workspace_id, member_id):
+            result = await server.registry.submit(scope_id, cmd.CloseDeparted(actor, (member_id,)))
+            closed += len(result["closed"])
+    except (StorageError, cmd.ActorFailed) as exc:
+        log.warning("closing a departed member's memberships failed; the sweep retries",
+                    extra={"workspace_id": workspace_id, "member_id": member_id, "error": str(exc)})
+    return closed
+
+
+async def sweep_departed_members(server: Server, *, interval_seconds: float = DEPARTED_SWEEP_SECONDS,
+                                 task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    """At start, then every `interval_seconds`: close what removals left open."""
+    task_status.started()
+    while True:
+        await close_departed_members(server)
+        await trio.sleep(interval_seconds)
+
+
+async def close_departed_members(server: Server) -> int:
+    """One sweep over every workspace; returns how many memberships it closed."""
+    try:
+        departed = await server.db.run(visibility.departed_members_with_open_memberships)
+    except StorageError as exc:
+        log.warning("departed-member sweep failed; retrying", extra={"error": str(exc)})
+        return 0
+    return sum([await close_departed_member(server, row["workspace_id"], row["member_id"]) for row in departed])
 
 
 # --- scopes -----------------------------------------------------------------------------------
@@ -118,18 +181,14 @@ async def channel_create(server: Server, connection: Connection, request: f.Chan
     actor = _actor(workspace)
     for member_id in request.member_ids:
         _check_id(member_id, "mem", "member")
-    scope_id = await server.db.transaction(_create_channel_unit, workspace, request)
-    if request.member_ids:
-        await _submit(server, scope_id, cmd.ChangeMembers(actor, "invite", tuple(dict.fromkeys(request.member_ids))))
+    # One transaction in the new scope's actor: the channel exists with all its
+    # members or not at all (an unknown member leaves no channel behind).
+    scope_id = await _submit(server, new_id("scp"), cmd.CreateScope(
+        actor, "channel", (MembershipMutation(actor.member_id, "open"),),
+        invitees=tuple(m for m in dict.fromkeys(request.member_ids) if m != actor.member_id),
+        channel=ChannelProfile(request.slug, request.display_name, request.description, request.visibility)))
     row = await server.db.run(messages.scope_for_viewer, workspace.workspace_id, scope_id, workspace.member_id)
     return scope_info(row, True)
-
-
-async def _create_channel_unit(conn: asyncpg.Connection, workspace: WorkspaceContext, request: f.ChannelCreate) -> str:
-    await tenancy.pass_write_fence(conn, workspace.workspace_id, workspace.execution_generation)
-    return await applier.create_channel(conn, workspace_id=workspace.workspace_id, creator=workspace.member_id,
-                                        slug=request.slug, display_name=request.display_name,
-                                        description=request.description, visibility=request.visibility)
 
 
 async def channel_list(server: Server, connection: Connection, request: f.ChannelList,
@@ -141,28 +200,33 @@ async def channel_list(server: Server, connection: Connection, request: f.Channe
 
 async def dm_open(server: Server, connection: Connection, request: f.DmOpen, ctx: RequestContext) -> f.ScopeInfo:
     workspace = ctx.require(Permission.MESSAGE_WRITE)
+    actor = _actor(workspace)
     other_id = _check_id(request.member_id, "mem", "member")
-
-    async def unit(conn: asyncpg.Connection) -> str:
-        await tenancy.pass_write_fence(conn, workspace.workspace_id, workspace.execution_generation)
-        other = await messages.member_candidate(conn, workspace.workspace_id, other_id)
-        if other.status != "active":
-            raise ProtocolError(ErrorCode.CONFLICT, "that member is not active")
-        if other.kind == "agent" and other.visibility == "private" and other.owner_member_id != workspace.member_id:
-            raise ProtocolError(ErrorCode.FORBIDDEN, "a private agent talks only with its owner")
-        pair = sorted({workspace.member_id, other_id})
-        members = []
-        for member_id in pair:
-            candidate = other if member_id == other_id else None
-            private = candidate is not None and candidate.kind == "agent" and candidate.visibility == "private"
-            members.append((member_id, "private" if private else "public",
-                            candidate.owner_member_id if private else None))
-        return await applier.get_or_create_keyed_scope(
-            conn, workspace_id=workspace.workspace_id, type="dm",
-            identity_key=f"dm:{workspace.workspace_id}:" + ":".join(pair), created_by=workspace.member_id,
-            members=members)
-
-    scope_id = await server.db.transaction(unit)
+    other = await server.db.run(messages.member_candidate, workspace.workspace_id, other_id)
+    if other.status != "active":
+        raise ProtocolError(ErrorCode.CONFLICT, "that member is not active")
+    private = other.kind == "agent" and other.visibility == "private"
+    if private and other.owner_member_id != workspace.member_id:
+        raise ProtocolError(ErrorCode.FORBIDDEN, "a private agent talks only with its owner")
+    pair = sorted({workspace.member_id, other_id})
+    identity_key = f"dm:{workspace.workspace_id}:" + ":".join(pair)
+    scope_id = await server.db.run(messages.keyed_scope, workspace.workspace_id, identity_key)
+    if scope_id is None:
+        members = [MembershipMutation(member_id, "open", "private", other.owner_member_id)
+                   if member_id == other_id and private else MembershipMutation(member_id, "open")
+                   for member_id in pair]
+        scope_id = await _submit(server, new_id("scp"), cmd.CreateScope(actor, "dm", tuple(members),
+                                                                        identity_key=identity_key))
+    else:
+        # A member of the pair who left the workspace and came back: the DM is theirs again.
+        roster = await server.db.run(visibility.entitled_roster, scope_id)
+        returning = tuple(member_id for member_id in pair if member_id not in roster)
+        if returning:
+            try:
+                await _submit(server, scope_id, cmd.ChangeMembers(actor, "reopen_dm", returning))
+            except ProtocolError as exc:
+                if exc.details.get("reason") != "not_reopenable":  # reopened concurrently
+                    raise
     row = await server.db.run(messages.scope_for_viewer, workspace.workspace_id, scope_id, workspace.member_id)
     return scope_info(row, True)
 
@@ -177,11 +241,11 @@ async def scope_members(server: Server, connection: Connection, request: f.Scope
     _, row = await _scope(server, ctx, request.scope_id, Permission.MESSAGE_READ)
     return [f.ScopeMemberInfo(member_id=r["member_id"], handle=r["handle"], display_name=r["display_name"],
                               kind=r["kind"], visibility=r["visibility"], owner_member_id=r["owner_member_id"])
-            for r in await server.db.run(messages.scope_members, row["id"])]
+            for r in await server.db.run(visibility.scope_members, row["id"])]
 
 
 async def scope_join(server: Server, connection: Connection, request: f.ScopeJoin, ctx: RequestContext) -> f.Ok:
-    workspace, row = await _scope(server, ctx, request.scope_id, Permission.MESSAGE_WRITE, allow_discoverable=True)
+    workspace, row = await _scope(server, ctx, request.scope_id, Permission.MESSAGE_READ, allow_discoverable=True)
     await _submit(server, row["id"], cmd.ChangeMembers(_actor(workspace), "join", (workspace.member_id,)))
     return f.Ok()
 
@@ -252,34 +316,34 @@ async def thread_reply(server: Server, connection: Connection, request: f.Thread
         raise ProtocolError(ErrorCode.INVALID, "threads do not nest")
     thread_id = root["thread_scope_id"]
     if thread_id is None:
-        thread_id = await server.db.transaction(_open_thread_unit, workspace, parent["id"], root)
+        thread_id = await _open_thread(server, workspace, parent["id"], root)
     else:
         await _ensure_thread_member(server, workspace, thread_id)
     return await _send(server, workspace, thread_id, MessageIntent(
         scope_id=thread_id, content=request.content, client_message_id=request.client_message_id))
 
 
-async def _open_thread_unit(conn: asyncpg.Connection, workspace: WorkspaceContext, parent_id: str,
-                            root: asyncpg.Record) -> str:
+async def _open_thread(server: Server, workspace: WorkspaceContext, parent_id: str, root: asyncpg.Record) -> str:
     """The thread scope of a root message: its first members are the replier and
     the root's author (when still in the parent and not a private agent)."""
-    await tenancy.pass_write_fence(conn, workspace.workspace_id, workspace.execution_generation)
-    parent_roster = await messages.open_roster(conn, parent_id)
-    members = [(workspace.member_id, "public", None)]
+    parent_roster = await server.db.run(visibility.entitled_roster, parent_id)
+    members = [MembershipMutation(workspace.member_id, "open")]
     author = root["author_member_id"]
     if author != workspace.member_id and author in parent_roster:
-        candidate = await messages.member_candidate(conn, workspace.workspace_id, author)
+        candidate = await server.db.run(messages.member_candidate, workspace.workspace_id, author)
         if not (candidate.kind == "agent" and candidate.visibility == "private"):
-            members.append((author, "public", None))
-    thread_id, _ = await applier.get_or_create_thread(conn, workspace_id=workspace.workspace_id,
-                                                      parent_scope_id=parent_id, root_message_id=root["id"],
-                                                      created_by=workspace.member_id, members=members)
+            members.append(MembershipMutation(author, "open"))
+    new_thread_id = new_id("scp")
+    thread_id = await _submit(server, new_thread_id, cmd.CreateScope(
+        _actor(workspace), "thread", tuple(members), parent_scope_id=parent_id, root_message_id=root["id"]))
+    if thread_id != new_thread_id:  # another reply opened it first
+        await _ensure_thread_member(server, workspace, thread_id)
     return thread_id
 
 
 async def _ensure_thread_member(server: Server, workspace: WorkspaceContext, thread_id: str) -> None:
     """Anyone who can read the parent may reply: replying joins the thread."""
-    membership = await server.db.run(messages.viewer_membership, thread_id, workspace.member_id)
+    membership = await server.db.run(visibility.viewer_membership, thread_id, workspace.member_id)
     if membership is None:
         try:
             await _submit(server, thread_id, cmd.ChangeMembers(_actor(workspace), "join_thread",
@@ -347,45 +411,6 @@ async def message_withdraw(server: Server, connection: Connection, request: f.Me
 
 # --- reactions ---------------------------------------------------------------------------------------
 
-class TokenBucket:
-    """A burst, then a steady rate (per connection commands, per member signals)."""
-
-    def __init__(self, rate_per_second: float, burst: int) -> None:
-        self.rate = rate_per_second
-        self.burst = burst
-        self.tokens = float(burst)
-        self.last = time.monotonic()
-
-    def take(self) -> bool:
-        now = time.monotonic()
-        self.tokens = min(self.burst, self.tokens + (now - self.last) * self.rate)
-        self.last = now
-        if self.tokens < 1:
-            return False
-        self.tokens -= 1
-        return True
-
-
-class KeyedRateLimiter:
-    """A token bucket per key (member, or member and scope).  Over the limit the
-    command answers rate_limited (never accept-and-drop).  Bounded: past
-    `max_keys` the buckets are forgotten wholesale."""
-
-    def __init__(self, rate_per_second: float, burst: int, max_keys: int = 100_000) -> None:
-        self.rate = rate_per_second
-        self.burst = burst
-        self.max_keys = max_keys
-        self._buckets: dict[object, TokenBucket] = {}
-
-    def take(self, key: object) -> bool:
-        bucket = self._buckets.get(key)
-        if bucket is None:
-            if len(self._buckets) >= self.max_keys:
-                self._buckets.clear()
-            bucket = self._buckets[key] = TokenBucket(self.rate, self.burst)
-        return bucket.take()
-
-
 async def _react(server: Server, ctx: RequestContext, message_id: str, key: str, add: bool) -> f.Ok:
     try:
         canonical = normalize_reaction_key(key)
@@ -414,7 +439,7 @@ async def message_history(server: Server, connection: Connection, request: f.Mes
     workspace, row = await _scope(server, ctx, request.scope_id, Permission.MESSAGE_READ)
     if sum(x is not None for x in (request.before_seq, request.after_seq)) + request.from_first_unread > 1:
         raise ProtocolError(ErrorCode.INVALID, "give at most one of before_seq, after_seq, from_first_unread")
-    membership = await server.db.run(messages.viewer_membership, row["id"], workspace.member_id)
+    membership = await server.db.run(visibility.viewer_membership, row["id"], workspace.member_id)
     after = request.after_seq
     if request.from_first_unread:
         after = membership["last_read_seq"] if membership else 0
@@ -501,13 +526,18 @@ async def conversation_action(server: Server, connection: Connection, request: f
     else:
         flags = {"pin": {"pinned": True}, "unpin": {"pinned": False}, "hide": {"hidden": True},
                  "restore": {"hidden": False}}[action]
-        await server.db.transaction(applier.set_conversation_state, workspace.workspace_id, workspace.member_id,
-                                    row["id"], **flags)
+        await server.db.transaction(_set_conversation_state_unit, workspace, row["id"], flags)
         # The member's own other connections see the Inbox change (nobody else does).
         server.hub.publish(CommittedEvent("inbox.changed", workspace.workspace_id, row["id"], None, None,
                                           {"member_id": workspace.member_id, **flags},
                                           audience=frozenset({workspace.member_id})))
     return f.Ok()
+
+
+async def _set_conversation_state_unit(conn: asyncpg.Connection, workspace: WorkspaceContext, scope_id: str,
+                                       flags: dict[str, bool]) -> None:
+    await tenancy.pass_write_fence(conn, workspace.workspace_id, workspace.execution_generation)
+    await applier.set_conversation_state(conn, workspace.workspace_id, workspace.member_id, scope_id, **flags)
 
 
 HANDLERS = {

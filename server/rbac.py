@@ -30,21 +30,29 @@ class Permission(str, enum.Enum):
     AUDIT_VIEW = "audit.view"
     DATA_EXPORT = "data.export"
     BILLING_LINK_MANAGE = "billing_link.manage"
-    # Messaging participation: every active member may read and write the scopes
-    # their scope memberships allow; API key scopes can narrow this.
+    # Messaging (not in the seed's table, which predates messaging): what scope
+    # memberships then allow.  message.read covers reading and the member's own
+    # read state (read markers, notification settings, Inbox pins, joining and
+    # leaving public channels, subscriptions, presence); message.write covers
+    # everything that puts content or structure in front of others (send, reply,
+    # forward, edit, withdraw, react, typing, creating channels, DMs and private
+    # agents, inviting to or removing from scopes, archiving).
     MESSAGE_READ = "message.read"
     MESSAGE_WRITE = "message.write"
 
 
 P = Permission
-_EVERYONE = {P.WORKSPACE_VIEW, P.MEMBER_VIEW, P.RESOURCE_VIEW, P.MESSAGE_READ, P.MESSAGE_WRITE}
+_READ = {P.WORKSPACE_VIEW, P.MEMBER_VIEW, P.RESOURCE_VIEW, P.MESSAGE_READ}
+# Every role the seed lets do more than read participates in messaging; the
+# viewer is read-only ("只读非敏感资源和监控", SPEC rule 8b).
+_PARTICIPANT = _READ | {P.MESSAGE_WRITE}
 
 ROLE_PERMISSIONS: dict[Role, frozenset[Permission]] = {
-    Role.VIEWER: frozenset(_EVERYONE),
-    Role.OPERATOR: frozenset(_EVERYONE | {P.RUNTIME_OPERATE}),
-    Role.DEVELOPER: frozenset(_EVERYONE | {P.RUNTIME_OPERATE, P.RESOURCE_MANAGE, P.PROVIDER_SECRET_MANAGE}),
+    Role.VIEWER: frozenset(_READ),
+    Role.OPERATOR: frozenset(_PARTICIPANT | {P.RUNTIME_OPERATE}),
+    Role.DEVELOPER: frozenset(_PARTICIPANT | {P.RUNTIME_OPERATE, P.RESOURCE_MANAGE, P.PROVIDER_SECRET_MANAGE}),
     Role.ADMIN: frozenset(
-        _EVERYONE
+        _PARTICIPANT
         | {P.RUNTIME_OPERATE, P.RESOURCE_MANAGE, P.PROVIDER_SECRET_MANAGE, P.WORKSPACE_UPDATE, P.MEMBER_INVITE,
            P.MEMBER_UPDATE_ROLE, P.MEMBER_REMOVE, P.API_KEY_MANAGE, P.AUDIT_VIEW, P.DATA_EXPORT}
     ),
@@ -52,7 +60,7 @@ ROLE_PERMISSIONS: dict[Role, frozenset[Permission]] = {
 }
 
 # Agents and service identities have no workspace role; they participate in scopes.
-NON_HUMAN_PERMISSIONS = frozenset(_EVERYONE)
+NON_HUMAN_PERMISSIONS = frozenset(_PARTICIPANT)
 
 # API key scopes and the permissions each allows (a key gets role ∩ scopes).
 API_KEY_SCOPES: dict[str, frozenset[Permission]] = {

@@ -41,7 +41,8 @@ from server.messaging import _scope, message_info, scope_info
 from server.rbac import Permission
 from server.transport import ConnectionClosed
 from server.wire import server_frame
-from storage import messages
+from storage import messages, visibility
+from storage.errors import DatabaseUnavailable
 
 if TYPE_CHECKING:
     from server.app import Connection, Server
@@ -183,11 +184,15 @@ class PushState:
             self.stop()
         except trio.TooSlowError:
             self.cut_off("slow_consumer: replay blocked")
-        except Exception:  # e.g. the database went away mid-replay: the client resumes later
+        except DatabaseUnavailable:
+            # Not the client's fault (so not 4408): it resumes from its cursors later.
+            log.warning("replay failed: database unavailable", extra={"connection": self.connection.id})
+            self.stop()
+            self.connection.ws.close_soon(f.CLOSE_UNAVAILABLE, "unavailable")
+        except Exception:
             log.exception("replay failed", extra={"connection": self.connection.id})
             self.stop()
-            self.connection.ws.close_soon(f.CLOSE_SLOW_CONSUMER,
-                                          "unavailable: delivery failed, resume from your cursors")
+            self.connection.ws.close_soon(f.CLOSE_UNAVAILABLE, "internal error")
 
     async def _write(self, frame: bytes) -> None:
         with trio.fail_after(self.server.config.push_timeout_seconds):
@@ -331,7 +336,7 @@ async def typing(server: Server, connection: Connection, request: f.Typing, ctx)
     workspace, row = await _scope(server, ctx, request.scope_id, Permission.MESSAGE_WRITE)
     if not server.typing_limiter.take((workspace.member_id, row["id"])):
         raise ProtocolError(ErrorCode.RATE_LIMITED, "typing signals are limited to about one a second")
-    roster = await server.db.run(messages.open_roster, row["id"])
+    roster = await server.db.run(visibility.entitled_roster, row["id"])
     server.hub.publish(CommittedEvent("typing", workspace.workspace_id, row["id"], None, None, {
         "member_id": workspace.member_id, "state": request.state,
         "expires_at_ms": int(time.time() * 1000) + TYPING_TTL_MS}), roster=roster)

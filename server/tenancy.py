@@ -16,6 +16,7 @@ import asyncpg
 import trio
 
 from protocol.errors import ErrorCode, ProtocolError
+from protocol.validation import name_text_problem
 from server.auth import Authenticator, Session, normalize_email
 from server.context import Principal, RequestContext, WorkspaceContext
 from server.credentials import (
@@ -37,6 +38,15 @@ MIN_PASSWORD_LENGTH = 8
 
 def _forbidden(message: str) -> ProtocolError:
     return ProtocolError(ErrorCode.FORBIDDEN, message)
+
+
+def _check_names(**fields: str | None) -> None:
+    """protocol.validation's name rule, here for the admin CLI too (WebSocket
+    frames have passed it at the boundary already)."""
+    for field, value in fields.items():
+        problem = name_text_problem(value) if value is not None else None
+        if problem is not None:
+            raise ProtocolError(ErrorCode.INVALID, f"{field}: {problem}", details={"field": field})
 
 
 def _require_id(value: str, prefix: str, what: str) -> str:
@@ -80,6 +90,7 @@ async def init_instance(db: Database, *, email: str, display_name: str, workspac
                         edition: str, password: str | None = None) -> Initialized:
     """`scopewire init`: first account + the workspace + owner, in one transaction.
     Returns the generated password (shown once) unless one was given."""
+    _check_names(email=email, display_name=display_name, name=workspace_name, slug=workspace_slug)
     generated = password is None
     password = password if password is not None else generate_password()
     password_hash = await _hash_new_password(password)
@@ -95,6 +106,7 @@ async def create_workspace(db: Database, ctx: RequestContext, *, name: str, slug
                            owner_email: str | None = None, owner_display_name: str | None = None) -> Initialized:
     """Multi-workspace edition only. A session creates it for its own account;
     the operator (CLI) names the owner, whose account is created if new."""
+    _check_names(name=name, slug=slug, email=owner_email, display_name=owner_display_name)
     edition = await db.run(tenancy.instance_edition)
     if edition is None:
         raise ProtocolError(ErrorCode.CONFLICT, "run `scopewire init` first")
@@ -203,6 +215,7 @@ async def create_agent(db: Database, ctx: RequestContext, *, handle: str, displa
                        owner_member_id: str | None = None) -> str:
     """An agent member owned by the calling human (or, from the CLI, by `owner_member_id`).
     Public agents are workspace resources and need resource.manage."""
+    _check_names(handle=handle, display_name=display_name)
     workspace = ctx.require(Permission.RESOURCE_MANAGE if visibility == "public" else Permission.MESSAGE_WRITE)
     if ctx.principal.kind == "system":
         owner = _require_id(owner_member_id or "", "mem", "owner member")
@@ -224,6 +237,7 @@ async def create_agent(db: Database, ctx: RequestContext, *, handle: str, displa
 
 
 async def create_service_member(db: Database, ctx: RequestContext, *, handle: str, display_name: str) -> str:
+    _check_names(handle=handle, display_name=display_name)
     workspace = ctx.require(Permission.RESOURCE_MANAGE)
     return await _write(db, workspace, lambda conn: tenancy.create_agent_or_service(
         conn, workspace.workspace_id, kind="service", handle=handle, display_name=display_name,
@@ -242,6 +256,7 @@ class IssuedInvitation:
 async def create_invitation(db: Database, ctx: RequestContext, *, email: str, role: str,
                             expires_in_seconds: int) -> IssuedInvitation:
     workspace = ctx.require(Permission.MEMBER_INVITE)
+    _check_names(email=email)
     if role == Role.OWNER.value:
         raise _forbidden("invitations never grant owner")
     token = generate_secret(INVITATION_PREFIX)
@@ -277,6 +292,7 @@ async def accept_invitation(db: Database, auth: Authenticator, *, token: str, pr
     """Consume the invitation: create the account (new email) or use the signed-in
     / password-proven existing one, then create or reactivate the membership —
     locked, single-use, in one transaction."""
+    _check_names(display_name=display_name)
     token_hash = secret_hash(token)
     peek = await db.run(tenancy.invitation_email, token_hash)
     if peek is None:
@@ -328,28 +344,24 @@ class IssuedKey:
     expires_at: datetime | None
 
 
-async def _may_manage_keys_of(db: Database, ctx: RequestContext, workspace: WorkspaceContext, member_id: str) -> bool:
-    """Key managers may act on anyone's keys; a human may act on its own and its agents'."""
-    if Permission.API_KEY_MANAGE in workspace.permissions or ctx.principal.kind == "system":
-        return True
-    if ctx.principal.kind != "account":
-        return False
-    if member_id == workspace.member_id:
-        return True
-    member = await db.run(tenancy.member_in_workspace, workspace.workspace_id, member_id)
-    return member["owner_member_id"] == workspace.member_id
+def _check_key_target(workspace: WorkspaceContext, member: asyncpg.Record) -> None:
+    """api_key.manage (owner, admin: §10.4) covers every member's keys but an
+    owner's, which only an owner manages: a key acts with its member's
+    permissions, so an admin minting one for an owner would become owner."""
+    if member["role"] == Role.OWNER.value and workspace.role is not Role.OWNER:
+        raise _forbidden("only an owner manages an owner's API keys")
 
 
 async def create_api_key(db: Database, ctx: RequestContext, *, name: str, member_id: str | None,
                          scopes: list[str], expires_in_seconds: int | None) -> IssuedKey:
-    workspace = ctx.require(Permission.WORKSPACE_VIEW)
+    workspace = ctx.require(Permission.API_KEY_MANAGE)
+    _check_names(name=name)
     target = member_id or workspace.member_id
     if target is None:
         raise ProtocolError(ErrorCode.INVALID, "name the member the key acts as")
     _require_id(target, "mem", "member")
     member = await db.run(tenancy.member_in_workspace, workspace.workspace_id, target)
-    if not await _may_manage_keys_of(db, ctx, workspace, target):
-        raise _forbidden("missing permission api_key.manage")
+    _check_key_target(workspace, member)
     if member["status"] != "active":
         raise ProtocolError(ErrorCode.CONFLICT, "the member is not active")
     # A key never carries more than the session that made it could do.
@@ -366,23 +378,16 @@ async def create_api_key(db: Database, ctx: RequestContext, *, name: str, member
 
 
 async def list_api_keys(db: Database, ctx: RequestContext) -> list[asyncpg.Record]:
-    workspace = ctx.require(Permission.WORKSPACE_VIEW)
-    keys = await db.run(tenancy.list_api_keys, workspace.workspace_id)
-    if Permission.API_KEY_MANAGE in workspace.permissions or ctx.principal.kind == "system":
-        return keys
-    owned = {workspace.member_id} | {
-        m["id"] for m in await db.run(tenancy.list_members, workspace.workspace_id)
-        if m["owner_member_id"] == workspace.member_id
-    }
-    return [k for k in keys if k["member_id"] in owned]
+    workspace = ctx.require(Permission.API_KEY_MANAGE)
+    return await db.run(tenancy.list_api_keys, workspace.workspace_id)
 
 
 async def revoke_api_key(db: Database, ctx: RequestContext, api_key_id: str) -> None:
-    workspace = ctx.require(Permission.WORKSPACE_VIEW)
+    workspace = ctx.require(Permission.API_KEY_MANAGE)
     _require_id(api_key_id, "key", "API key")
     key = await db.run(tenancy.api_key_in_workspace, workspace.workspace_id, api_key_id)
-    if not await _may_manage_keys_of(db, ctx, workspace, key["member_id"]):
-        raise _forbidden("missing permission api_key.manage")
+    _check_key_target(workspace, await db.run(tenancy.member_in_workspace, workspace.workspace_id,
+                                              key["member_id"]))
     await _write(db, workspace, tenancy.revoke_api_key, workspace.workspace_id, api_key_id)
 
 

@@ -42,6 +42,10 @@ log = logging.getLogger("scopewire.transport")
 RECV_BYTES = 64 * 1024
 CLOSE_ABNORMAL = 1006
 CLOSE_MESSAGE_TOO_BIG = 1009
+ACCEPT_BACKOFF_SECONDS = 0.1
+ACCEPT_FAILURE_LOG_INTERVAL = 10.0
+REFUSED_RESPONSE = (b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 5\r\nContent-Length: 0\r\n"
+                    b"Connection: close\r\n\r\n")
 
 
 class ConnectionClosed(Exception):
@@ -296,13 +300,19 @@ class WebSocket:
 async def accept_loop(listener: trio.SocketListener, handle: Callable[[socket.socket], Any],
                       nursery: trio.Nursery) -> None:
     """Accept TCP connections and start `handle(sock)` for each as its own task."""
+    failures_unlogged, next_log = 0, float("-inf")
     while True:
         try:
             stream = await listener.accept()
         except OSError as exc:
             if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS):
-                log.warning("accept failed: %s; retrying shortly", exc)
-                await trio.sleep(0.1)  # back off until descriptors free up (not a synchronization)
+                # Out of descriptors (or memory): back off until some are freed,
+                # and say so at most once per interval, not at every retry.
+                failures_unlogged += 1
+                if trio.current_time() >= next_log:
+                    log.warning("accept failed: %s; backing off", exc, extra={"failures": failures_unlogged})
+                    failures_unlogged, next_log = 0, trio.current_time() + ACCEPT_FAILURE_LOG_INTERVAL
+                await trio.sleep(ACCEPT_BACKOFF_SECONDS)  # not a synchronization: waiting for descriptors
                 continue
             raise
         # Keep the plain non-blocking socket: writes are made synchronously from
@@ -310,6 +320,25 @@ async def accept_loop(listener: trio.SocketListener, handle: Callable[[socket.so
         sock = socket.socket(fileno=stream.socket.detach())
         sock.setblocking(False)
         nursery.start_soon(handle, sock)
+
+
+def peer_address(sock: socket.socket) -> str:
+    """The client's IP address ("" when the peer is already gone)."""
+    try:
+        return sock.getpeername()[0]
+    except OSError:
+        return ""
+
+
+def refuse(sock: socket.socket) -> None:
+    """Answer a handshake over the connection caps with HTTP 503 and close,
+    without waiting for anything (best effort: the socket is non-blocking)."""
+    with contextlib.suppress(OSError):
+        sock.recv(RECV_BYTES)  # what the client already sent: unread data would turn our close into a reset
+    with contextlib.suppress(OSError):
+        sock.send(REFUSED_RESPONSE)
+        sock.shutdown(socket.SHUT_WR)
+    sock.close()
 
 
 async def handshake(sock: socket.socket, *, deadline: float, choose_subprotocol: Callable[[list[str]], str | None],

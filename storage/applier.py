@@ -17,6 +17,7 @@ import asyncpg
 from actors.plan import CommittedMessage, MembershipMutation, MessagePlan
 from storage.errors import Conflict, NotFound
 from storage.ids import new_id
+from storage.tenancy import WRITABLE_STATES, execution_state_for_share
 
 MESSAGE_DOMAIN_TABLES = (
     "scopes", "scope_channel_profiles", "scope_memberships", "scope_notification_settings",
@@ -48,65 +49,57 @@ async def _open_membership(conn: asyncpg.Connection, workspace_id: str, scope_id
 
 
 async def create_scope(conn: asyncpg.Connection, *, workspace_id: str, type: str, created_by: str | None,
-                       members: list[tuple[str, str, str | None]], identity_key: str | None = None,
-                       parent_scope_id: str | None = None, root_message_id: str | None = None) -> str:
-    """A scope and its initial memberships [(member_id, visibility, owner_member_id)]."""
-    scope_id = new_id("scp")
-    await conn.execute(
-        "INSERT INTO scopes (id, workspace_id, type, parent_scope_id, root_message_id, identity_key, "
-        "created_by_member_id, roster_generation) VALUES ($1, $2, $3, $4, $5, $6, $7, 1)",
-        scope_id, workspace_id, type, parent_scope_id, root_message_id, identity_key, created_by,
-    )
-    for member_id, visibility, owner in members:
-        await _open_membership(conn, workspace_id, scope_id, member_id, 0, visibility, owner)
+                       members: list[tuple[str, str, str | None]], scope_id: str | None = None) -> str:
+    """A scope and its initial memberships [(member_id, visibility, owner_member_id)]
+    in one step: for fixtures and benchmarks.  The server creates scopes through
+    their actor (insert_scope, then apply_membership_mutations)."""
+    scope_id = scope_id or new_id("scp")
+    await insert_scope(conn, scope_id=scope_id, workspace_id=workspace_id, type=type, created_by=created_by)
+    await apply_membership_mutations(conn, workspace_id, scope_id, [
+        MembershipMutation(member_id, "open", visibility, owner) for member_id, visibility, owner in members], 0)
     return scope_id
 
 
-async def create_channel(conn: asyncpg.Connection, *, workspace_id: str, creator: str, slug: str,
-                         display_name: str, description: str, visibility: str) -> str:
-    scope_id = await create_scope(conn, workspace_id=workspace_id, type="channel", created_by=creator,
-                                  members=[(creator, "public", None)])
+async def insert_scope(conn: asyncpg.Connection, *, scope_id: str, workspace_id: str, type: str,
+                       created_by: str | None, identity_key: str | None = None,
+                       parent_scope_id: str | None = None, root_message_id: str | None = None) -> str:
+    """The scope row, without memberships.  A DM (identity key) or a thread
+    (root message) exists at most once: when another transaction created it
+    first, nothing is written and that scope's id is returned instead."""
+    inserted = await conn.fetchval(
+        "INSERT INTO scopes (id, workspace_id, type, parent_scope_id, root_message_id, identity_key, "
+        "created_by_member_id, roster_generation) VALUES ($1, $2, $3, $4, $5, $6, $7, 0) "
+        "ON CONFLICT DO NOTHING RETURNING id",
+        scope_id, workspace_id, type, parent_scope_id, root_message_id, identity_key, created_by,
+    )
+    if inserted is not None:
+        if root_message_id is not None:
+            await conn.execute(
+                "UPDATE scope_messages SET thread_scope_id = $3 WHERE scope_id = $1 AND id = $2",
+                parent_scope_id, root_message_id, scope_id,
+            )
+        return inserted
+    if identity_key is not None:
+        existing = await conn.fetchval("SELECT id FROM scopes WHERE identity_key = $1", identity_key)
+    else:
+        existing = await conn.fetchval("SELECT id FROM scopes WHERE parent_scope_id = $1 AND root_message_id = $2",
+                                       parent_scope_id, root_message_id)
+    if existing is None:
+        raise Conflict("scope_exists", "a scope with this id exists")
+    return existing
+
+
+async def insert_channel_profile(conn: asyncpg.Connection, *, scope_id: str, workspace_id: str, owner: str,
+                                 slug: str, display_name: str, description: str, visibility: str) -> None:
     try:
         async with conn.transaction():
             await conn.execute(
                 "INSERT INTO scope_channel_profiles (scope_id, workspace_id, slug, display_name, description, "
                 "visibility, owner_member_id) VALUES ($1, $2, $3, $4, $5, $6, $7)",
-                scope_id, workspace_id, slug, display_name, description, visibility, creator,
+                scope_id, workspace_id, slug, display_name, description, visibility, owner,
             )
     except asyncpg.UniqueViolationError:
         raise Conflict("slug_taken", f"a channel named {slug!r} exists") from None
-    return scope_id
-
-
-async def get_or_create_keyed_scope(conn: asyncpg.Connection, *, workspace_id: str, type: str, identity_key: str,
-                                    created_by: str | None, members: list[tuple[str, str, str | None]]) -> str:
-    """DM / service_account / workflow scopes are unique by identity key."""
-    existing = await conn.fetchval("SELECT id FROM scopes WHERE identity_key = $1", identity_key)
-    if existing is not None:
-        return existing
-    try:
-        async with conn.transaction():
-            return await create_scope(conn, workspace_id=workspace_id, type=type, created_by=created_by,
-                                      members=members, identity_key=identity_key)
-    except asyncpg.UniqueViolationError:  # created concurrently
-        return await conn.fetchval("SELECT id FROM scopes WHERE identity_key = $1", identity_key)
-
-
-async def get_or_create_thread(conn: asyncpg.Connection, *, workspace_id: str, parent_scope_id: str,
-                               root_message_id: str, created_by: str,
-                               members: list[tuple[str, str, str | None]]) -> tuple[str, bool]:
-    existing = await conn.fetchval(
-        "SELECT id FROM scopes WHERE parent_scope_id = $1 AND root_message_id = $2", parent_scope_id, root_message_id
-    )
-    if existing is not None:
-        return existing, False
-    scope_id = await create_scope(conn, workspace_id=workspace_id, type="thread", created_by=created_by,
-                                  members=members, parent_scope_id=parent_scope_id, root_message_id=root_message_id)
-    await conn.execute(
-        "UPDATE scope_messages SET thread_scope_id = $3 WHERE scope_id = $1 AND id = $2",
-        parent_scope_id, root_message_id, scope_id,
-    )
-    return scope_id, True
 
 
 async def archive_scope(conn: asyncpg.Connection, scope_id: str) -> None:
@@ -335,17 +328,27 @@ async def withdraw_message(conn: asyncpg.Connection, scope_id: str, message_id: 
         raise NotFound("message")
     if row["state"] == "withdrawn":
         raise Conflict("message_withdrawn", "the message was already withdrawn")
+    # The content becomes unrecoverable (strand-message.md §9.2): erased in the
+    # row and in every revision; id, seq, author, read frontier and the
+    # idempotency key and digest (no plaintext) stay.
     updated = await conn.fetchrow(
         "UPDATE scope_messages SET state = 'withdrawn', withdrawn_at = now(), withdrawn_by_member_id = $3, "
-        "updated_at = now() WHERE scope_id = $1 AND id = $2 RETURNING *",
+        "content = '', metadata = '{}'::jsonb, updated_at = now() WHERE scope_id = $1 AND id = $2 RETURNING *",
         scope_id, message_id, actor,
     )
-    # A withdrawn message's pending deliveries are suppressed (re-checked by the worker too).
     await conn.execute(
-        "UPDATE scope_fanout_outbox SET status = 'suppressed', suppressed_at = now(), "
-        "suppression_reason = 'message_withdrawn', lease_owner = NULL, lease_expires_at = NULL "
-        "WHERE scope_id = $1 AND message_id = $2 AND status IN ('pending', 'leased') "
-        "AND fanout_type = 'message.created'",
+        "UPDATE scope_message_revisions SET content = '', metadata = '{}'::jsonb "
+        "WHERE scope_id = $1 AND message_id = $2",
+        scope_id, message_id,
+    )
+    # Its pending deliveries are suppressed (re-checked by the worker too), and
+    # their routing payload (mentions found in the text) goes with the text.
+    await conn.execute(
+        "UPDATE scope_fanout_outbox SET payload = '{}'::jsonb, status = CASE WHEN status IN ('pending', 'leased') "
+        "THEN 'suppressed' ELSE status END, suppressed_at = CASE WHEN status IN ('pending', 'leased') THEN now() "
+        "ELSE suppressed_at END, suppression_reason = CASE WHEN status IN ('pending', 'leased') "
+        "THEN 'message_withdrawn' ELSE suppression_reason END, lease_owner = NULL, lease_expires_at = NULL "
+        "WHERE scope_id = $1 AND message_id = $2 AND fanout_type = 'message.created'",
         scope_id, message_id,
     )
     await enqueue_mutation(conn, row["workspace_id"], scope_id, message_id, "message.withdrawn",
@@ -505,6 +508,22 @@ async def settle_suppressed(conn: asyncpg.Connection, outbox_id: str, reason: st
         "lease_owner = NULL, lease_expires_at = NULL WHERE id = $1",
         outbox_id, reason,
     )
+
+
+async def suppress_if_fenced(conn: asyncpg.Connection, outbox_id: str, workspace_id: str,
+                             generation: int) -> str | None:
+    """Right before a side effect (workspace-multi-tenant §10.3): a row written
+    under an older execution generation, or in a fenced or inactive workspace,
+    causes none; it is settled as suppressed and the reason returned."""
+    state = await execution_state_for_share(conn, workspace_id)
+    if generation != state["active_generation"]:
+        reason = "stale_execution_generation"
+    elif state["write_fenced"] or state["state"] not in WRITABLE_STATES:
+        reason = "workspace_fenced"
+    else:
+        return None
+    await settle_suppressed(conn, outbox_id, reason)
+    return reason
 
 
 async def settle_failed_attempt(conn: asyncpg.Connection, outbox_id: str, error: str, backoff_seconds: float) -> None:

@@ -37,17 +37,20 @@ T = TypeVar("T")
 UnitOfWork = Callable[..., Awaitable[T]]
 
 # Errors that mean "the connection or server is gone", not "your query is wrong".
+# Seen when the postmaster is killed under load: a connection dying mid-protocol
+# leaves asyncpg's state machine stuck (InternalClientError "cannot switch to
+# state N; another operation is in progress"), a failed ROLLBACK replaces the
+# original error with InterfaceError, and during the restart the server answers
+# CannotConnectNow (recovery) or TooManyConnections (backends not yet gone).
 _CONNECTION_ERRORS = (
-    asyncpg.exceptions.ConnectionDoesNotExistError,
+    asyncpg.exceptions.PostgresConnectionError,  # SQLSTATE class 08, e.g. ConnectionDoesNotExistError
     asyncpg.exceptions.CannotConnectNowError,
     asyncpg.exceptions.AdminShutdownError,
     asyncpg.exceptions.CrashShutdownError,
-    asyncpg.exceptions.ConnectionFailureError,
     asyncpg.exceptions.TooManyConnectionsError,
     asyncpg.exceptions.InterfaceError,
-    ConnectionError,
-    OSError,
-    asyncio.TimeoutError,
+    asyncpg.exceptions.InternalClientError,
+    OSError,  # includes ConnectionError and asyncio.TimeoutError
 )
 
 

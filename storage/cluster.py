@@ -48,7 +48,9 @@ log = logging.getLogger("scopewire.cluster")
 BinarySource = Literal["bundled", "system", "auto"]
 
 SUPERUSER = "scopewire"
-DEFAULT_RUN_AS = "nobody"
+# As root, postgres runs as this dedicated system account (created when absent), so no
+# other service's processes share the uid that owns the data files.
+DEFAULT_RUN_AS = "scopewire"
 # With port=None the server listens on the unix socket only, but still needs a port number:
 # it names the socket file, which lives in our private socket dir, so it cannot clash.
 UNIX_ONLY_PORT = 5432
@@ -73,7 +75,7 @@ class ClusterSettings:
     data_dir: Path  # scopewire's data dir; the cluster lives in data_dir / "pg" (PGDATA)
     binaries: BinarySource = "auto"
     port: int | None = None  # None: unix socket only; int: also listen on 127.0.0.1:port
-    run_as: str | None = None  # only used when euid == 0; default "nobody"
+    run_as: str | None = None  # only used when euid == 0; default DEFAULT_RUN_AS (created when absent)
     throwaway: bool = False  # test clusters: no durability, trust auth
     start_timeout: float = 60.0
 
@@ -175,6 +177,34 @@ class PostgresCluster:
         finally:
             self._remove_temporary_socket_dir()
             self._release_lock()
+
+    @property
+    def postmaster_pid(self) -> int | None:
+        """The pid of the postmaster this object started, None when not started."""
+        return self._process.pid if self._process is not None else None
+
+    def restart_after_crash(self) -> None:
+        """Start the postmaster again after it died without being asked to (e.g. kill -9);
+        PostgreSQL replays its WAL on start. Keeps the data dir lock. Raises ClusterError."""
+        process = self._process
+        if process is None:
+            raise ClusterError("the cluster was never started")
+        if process.poll() is None:
+            return
+        log.warning("postgres exited unexpectedly; restarting it",
+                    extra={"pgdata": str(self._pgdata), "pg_pid": process.pid, "exit_status": process.returncode})
+        self._stop_orphaned_postmaster()  # removes the stale postmaster.pid, waits for its backends
+        assert self._socket_dir is not None
+        _remove_stale_socket_files(self._socket_dir)
+        self._process = self._launch_postmaster()
+        try:
+            self._wait_until_ready(self._process)
+        except BaseException:
+            # Leave no half-started postmaster behind; the next attempt starts from scratch.
+            with contextlib.suppress(ClusterError):
+                self._stop_postmaster(self._process)
+            raise
+        log.info("postgres restarted", extra={"pgdata": str(self._pgdata), "pg_pid": self._process.pid})
 
     def _stop_postmaster(self, process: subprocess.Popen[bytes]) -> None:
         log.info("stopping postgres", extra={"pgdata": str(self._pgdata), "pg_pid": process.pid})
@@ -662,18 +692,42 @@ def _binaries_major_version(bin_dir: Path) -> int:
 # -------------------------------------------------------------------- root: accounts and permissions
 
 def _postgres_account(run_as: str | None) -> _Account | None:
-    """initdb and postgres refuse to run as root; when we are root, pick the account to use."""
+    """initdb and postgres refuse to run as root; when we are root, pick the account to use:
+    `run_as` (which must exist), else DEFAULT_RUN_AS, created as a system account when absent."""
     if os.geteuid() != 0:
         return None
     name = run_as or DEFAULT_RUN_AS
     try:
         entry = pwd.getpwnam(name)
     except KeyError:
-        raise ClusterError(f"account {name!r} to run PostgreSQL as does not exist; scopewire never creates "
-                           f"accounts: create it or choose an existing unprivileged one") from None
+        if run_as is not None:
+            raise ClusterError(f"account {name!r} to run PostgreSQL as (--pg-run-as) does not exist; create it "
+                               f"or choose an existing unprivileged one") from None
+        entry = _create_system_account(name)
     if entry.pw_uid == 0:
         raise ClusterError(f"account {name!r} is root; PostgreSQL needs an unprivileged account")
     return _Account(name, entry.pw_uid, entry.pw_gid)
+
+
+def _create_system_account(name: str) -> pwd.struct_passwd:
+    """useradd --system: no home, no login shell, its own group (a concurrent creator is fine)."""
+    useradd = shutil.which("useradd") or "/usr/sbin/useradd"
+    argv = [useradd, "--system", "--user-group", "--no-create-home", "--home-dir", "/nonexistent",
+            "--shell", "/usr/sbin/nologin", "--comment", "scopewire embedded PostgreSQL", name]
+    try:
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as error:
+        raise ClusterError(f"cannot create the system account {name!r} to run PostgreSQL ({error}); create it "
+                           f"or choose an existing unprivileged one with --pg-run-as") from error
+    try:
+        entry = pwd.getpwnam(name)
+    except KeyError:
+        raise ClusterError(f"cannot create the system account {name!r} to run PostgreSQL: "
+                           f"{(result.stdout + result.stderr).strip() or f'exit status {result.returncode}'}; "
+                           f"create it or choose an existing unprivileged one with --pg-run-as") from None
+    if result.returncode == 0:
+        log.info("created system account for PostgreSQL", extra={"account": name, "uid": entry.pw_uid})
+    return entry
 
 
 def _unreadable_install_part(bin_dir: Path, account: _Account) -> Path | None:

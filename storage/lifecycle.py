@@ -1,20 +1,60 @@
 """Database lifecycle: provision (embedded cluster or external URL), create the
-database, migrate, hand out the bridge, and shut it all down in order."""
+database, migrate, hand out the bridge, supervise the embedded cluster, and shut
+it all down in order."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
+import os
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from typing import NoReturn
+from urllib.parse import parse_qs, urlsplit
 
 import asyncpg
+import trio
 
 from storage.bridge import Database, PoolSettings
-from storage.cluster import ClusterSettings, DataDirInUse, PostgresCluster
+from storage.cluster import ClusterError, ClusterSettings, DataDirInUse, PostgresCluster
+from storage.errors import DatabaseUnavailable
 from storage.migrations import migrate
 
 log = logging.getLogger("scopewire.storage")
+
+# Restarts of a postmaster that died under a running server: at most this many attempts
+# within the window, waiting FIRST_RESTART_BACKOFF (doubling) before each but the first.
+# Past that, serving on is pointless: the process exits so its supervisor restarts it.
+RESTART_ATTEMPTS = 5
+RESTART_WINDOW_SECONDS = 600.0
+FIRST_RESTART_BACKOFF = 0.5
+
+
+class DatabaseStartError(Exception):
+    """The database named by the configuration cannot be used; the message is one line for humans."""
+
+
+class ClusterLost(ClusterError):
+    """The embedded cluster died and could not be restarted."""
+
+
+def database_url_host(url: str) -> str:
+    """Where a database URL points ("host:port", or the socket dir), for messages;
+    DatabaseStartError when it is not a PostgreSQL URL. Never includes the password."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+        hostname = parts.hostname
+    except ValueError as error:
+        raise DatabaseStartError(f"malformed --database-url ({error}); expected "
+                                 f"postgresql://user:password@host:port/database") from None
+    if parts.scheme not in ("postgresql", "postgres"):
+        raise DatabaseStartError(f"malformed --database-url (scheme {parts.scheme!r}); expected "
+                                 f"postgresql://user:password@host:port/database")
+    query_host = parse_qs(parts.query).get("host", [None])[0]
+    host = hostname or query_host or "localhost"
+    return f"{host}:{port or parse_qs(parts.query).get('port', ['5432'])[0]}"
 
 
 @dataclass(frozen=True)
@@ -82,11 +122,60 @@ async def ensure_database(admin_dsn: str, name: str) -> bool:
 @contextlib.asynccontextmanager
 async def open_database(target: Target, database_name: str, settings: PoolSettings = PoolSettings(),
                         *, apply_migrations: bool = True) -> AsyncIterator[Database]:
+    """Raises DatabaseStartError when the database cannot be reached or logged into."""
     if target.admin_dsn is not None and await ensure_database(target.admin_dsn, database_name):
         log.info("created database", extra={"database": database_name})
-    async with Database(target.dsn, settings) as db:
+    db = Database(target.dsn, settings)
+    try:
+        await db.start()
+    except (DatabaseUnavailable, asyncpg.PostgresError, ValueError) as error:
+        # Unreachable, refused, bad credentials, no such database, malformed parameters.
+        cause = error.__cause__ if isinstance(error, DatabaseUnavailable) and error.__cause__ else error
+        reason = " ".join(f"{type(cause).__name__}: {cause}".split())
+        raise DatabaseStartError(f"cannot connect to the database at {database_url_host(target.dsn)}: "
+                                 f"{reason}") from None
+    try:
         if apply_migrations:
             applied = await db.run(migrate)
             if applied:
                 log.info("applied schema versions", extra={"versions": applied})
         yield db
+    finally:
+        await db.aclose()
+
+async def supervise_cluster(cluster: PostgresCluster) -> NoReturn:
+    """Restart the embedded postmaster whenever it dies under us (PostgreSQL replays its
+    WAL); the bridge's pool and listeners reconnect on their own.  Raises ClusterLost
+    when RESTART_ATTEMPTS attempts within RESTART_WINDOW_SECONDS did not bring it back."""
+    attempts: collections.deque[float] = collections.deque()
+    while True:
+        await _wait_for_exit(cluster)
+        while True:
+            now = trio.current_time()
+            while attempts and now - attempts[0] > RESTART_WINDOW_SECONDS:
+                attempts.popleft()
+            if len(attempts) >= RESTART_ATTEMPTS:
+                raise ClusterLost(f"postgres died and {RESTART_ATTEMPTS} restarts within "
+                                  f"{RESTART_WINDOW_SECONDS:g}s did not bring it back")
+            if attempts:
+                await trio.sleep(FIRST_RESTART_BACKOFF * 2 ** (len(attempts) - 1))
+            attempts.append(trio.current_time())
+            try:
+                # Blocking (waits until ready); the cluster forks from its own long-lived thread.
+                await trio.to_thread.run_sync(cluster.restart_after_crash)
+                break
+            except (ClusterError, OSError) as error:
+                log.warning("restarting postgres failed", extra={"attempt": len(attempts), "error": str(error)})
+
+
+async def _wait_for_exit(cluster: PostgresCluster) -> None:
+    pid = cluster.postmaster_pid
+    assert pid is not None
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:  # already gone (and reaped)
+        return
+    try:
+        await trio.lowlevel.wait_readable(pidfd)
+    finally:
+        os.close(pidfd)

@@ -1,12 +1,8 @@
 """Message-domain reads: scope state for actors, and every member-facing read
-(history, permalink, reactions, read checks, inbox) through ONE readable
-predicate.
-
-The predicate is `readable_sql()`: today a viewer reads a scope's messages
-through a current (open) membership in that scope.  The private-agent rules
-(owner-private visibility, grants, People collaborators) extend this same
-predicate; every read below calls it, none re-implements it.
-"""
+(history, permalink, reactions, read checks, inbox).  Who may read what is
+decided by storage/visibility.py alone; every read here uses its SQL and
+none re-implements it (a guardrail test checks that nothing here reads
+scope_memberships)."""
 
 from __future__ import annotations
 
@@ -15,24 +11,10 @@ import json
 
 import asyncpg
 
-from actors.plan import CommittedMessage, MentionCandidate, RosterEntry, ScopeContext
+from actors.plan import CommittedMessage, MentionCandidate, ScopeContext
+from storage import visibility
+from storage.visibility import ENTITLED_MEMBERSHIPS, message_readable_sql, scope_readable_sql
 from storage.errors import NotFound
-
-
-def readable_sql(message: str = "m", viewer: str = "$2") -> str:
-    """SQL yielding the visibility reason (text) of `message` for `viewer`, or NULL."""
-    return (
-        f"(CASE WHEN EXISTS (SELECT 1 FROM scope_memberships rv WHERE rv.scope_id = {message}.scope_id "
-        f"AND rv.member_id = {viewer} AND rv.effective_to_seq IS NULL) THEN 'membership' END)"
-    )
-
-
-def scope_readable_sql(scope: str = "s", viewer: str = "$2") -> str:
-    """The same rule at scope level (may the viewer read this scope at all)."""
-    return (
-        f"EXISTS (SELECT 1 FROM scope_memberships rv WHERE rv.scope_id = {scope}.id "
-        f"AND rv.member_id = {viewer} AND rv.effective_to_seq IS NULL)"
-    )
 
 
 # --- actor state ---------------------------------------------------------------------------
@@ -46,18 +28,11 @@ async def load_scope_context(conn: asyncpg.Connection, scope_id: str) -> ScopeCo
     )
     if scope is None:
         return None
-    roster = await conn.fetch(
-        "SELECT sm.member_id, mem.kind, sm.visibility, sm.owner_member_id, sm.last_read_seq FROM scope_memberships sm "
-        "JOIN members mem ON mem.workspace_id = sm.workspace_id AND mem.id = sm.member_id "
-        "WHERE sm.scope_id = $1 AND sm.effective_to_seq IS NULL",
-        scope_id,
-    )
     return ScopeContext(
         scope_id=scope["id"], workspace_id=scope["workspace_id"], type=scope["type"], status=scope["status"],
         parent_scope_id=scope["parent_scope_id"], root_message_id=scope["root_message_id"],
         latest_seq=scope["latest_seq"], roster_generation=scope["roster_generation"], visibility=scope["visibility"],
-        roster={r["member_id"]: RosterEntry(r["member_id"], r["kind"], r["visibility"], r["owner_member_id"],
-                                            r["last_read_seq"]) for r in roster},
+        roster=await visibility.roster_entries(conn, scope_id),
     )
 
 
@@ -102,13 +77,6 @@ async def committed_message(conn: asyncpg.Connection, scope_id: str, message_id:
     return committed_from_row(row) if row is not None else None
 
 
-async def open_roster(conn: asyncpg.Connection, scope_id: str) -> frozenset[str]:
-    rows = await conn.fetch(
-        "SELECT member_id FROM scope_memberships WHERE scope_id = $1 AND effective_to_seq IS NULL", scope_id
-    )
-    return frozenset(r["member_id"] for r in rows)
-
-
 # --- scope lookups for members ------------------------------------------------------------------
 
 async def scope_for_viewer(conn: asyncpg.Connection, workspace_id: str, scope_id: str,
@@ -137,18 +105,14 @@ async def channel_list(conn: asyncpg.Connection, workspace_id: str, viewer: str)
     )
 
 
+async def keyed_scope(conn: asyncpg.Connection, workspace_id: str, identity_key: str) -> str | None:
+    """The DM / service_account / workflow scope of an identity key, if it exists."""
+    return await conn.fetchval("SELECT id FROM scopes WHERE workspace_id = $1 AND identity_key = $2",
+                               workspace_id, identity_key)
+
+
 async def channel_owner(conn: asyncpg.Connection, scope_id: str) -> str | None:
     return await conn.fetchval("SELECT owner_member_id FROM scope_channel_profiles WHERE scope_id = $1", scope_id)
-
-
-async def scope_members(conn: asyncpg.Connection, scope_id: str) -> list[asyncpg.Record]:
-    """Current members; private members carry their owner (shown only as private)."""
-    return await conn.fetch(
-        "SELECT sm.member_id, mem.handle, mem.display_name, mem.kind, sm.visibility, sm.owner_member_id, "
-        "sm.effective_from_seq FROM scope_memberships sm JOIN members mem ON mem.workspace_id = sm.workspace_id "
-        "AND mem.id = sm.member_id WHERE sm.scope_id = $1 AND sm.effective_to_seq IS NULL ORDER BY sm.member_id",
-        scope_id,
-    )
 
 
 async def message_scope(conn: asyncpg.Connection, workspace_id: str, viewer: str,
@@ -156,7 +120,7 @@ async def message_scope(conn: asyncpg.Connection, workspace_id: str, viewer: str
     """Which scope a message is in, only if the viewer may read it."""
     return await conn.fetchrow(
         f"SELECT m.scope_id, m.seq, m.author_member_id, m.state, m.revision FROM scope_messages m "
-        f"WHERE m.workspace_id = $1 AND m.id = $3 AND {readable_sql('m', '$2')} IS NOT NULL",
+        f"WHERE m.workspace_id = $1 AND m.id = $3 AND {message_readable_sql('m', '$2')} IS NOT NULL",
         workspace_id, viewer, message_id,
     )
 
@@ -177,15 +141,17 @@ async def history(conn: asyncpg.Connection, workspace_id: str, viewer: str, scop
     the paging direction."""
     if after_seq is not None:
         rows = await conn.fetch(
-            f"SELECT {_MESSAGE_COLUMNS}, {readable_sql('m', '$2')} AS visibility_reason FROM scope_messages m "
-            f"WHERE m.workspace_id = $1 AND m.scope_id = $3 AND m.seq > $4 AND {readable_sql('m', '$2')} IS NOT NULL "
+            f"SELECT {_MESSAGE_COLUMNS}, {message_readable_sql('m', '$2')} AS visibility_reason FROM scope_messages m "
+            f"WHERE m.workspace_id = $1 AND m.scope_id = $3 AND m.seq > $4 "
+            f"AND {message_readable_sql('m', '$2')} IS NOT NULL "
             f"ORDER BY m.seq LIMIT $5",
             workspace_id, viewer, scope_id, after_seq, limit + 1,
         )
         return list(rows[:limit]), len(rows) > limit
     rows = await conn.fetch(
-        f"SELECT {_MESSAGE_COLUMNS}, {readable_sql('m', '$2')} AS visibility_reason FROM scope_messages m "
-        f"WHERE m.workspace_id = $1 AND m.scope_id = $3 AND m.seq < $4 AND {readable_sql('m', '$2')} IS NOT NULL "
+        f"SELECT {_MESSAGE_COLUMNS}, {message_readable_sql('m', '$2')} AS visibility_reason FROM scope_messages m "
+        f"WHERE m.workspace_id = $1 AND m.scope_id = $3 AND m.seq < $4 "
+        f"AND {message_readable_sql('m', '$2')} IS NOT NULL "
         f"ORDER BY m.seq DESC LIMIT $5",
         workspace_id, viewer, scope_id, before_seq if before_seq is not None else 2**62, limit + 1,
     )
@@ -195,8 +161,8 @@ async def history(conn: asyncpg.Connection, workspace_id: str, viewer: str, scop
 async def message_for_viewer(conn: asyncpg.Connection, workspace_id: str, viewer: str,
                              message_id: str) -> asyncpg.Record | None:
     return await conn.fetchrow(
-        f"SELECT {_MESSAGE_COLUMNS}, {readable_sql('m', '$2')} AS visibility_reason FROM scope_messages m "
-        f"WHERE m.workspace_id = $1 AND m.id = $3 AND {readable_sql('m', '$2')} IS NOT NULL",
+        f"SELECT {_MESSAGE_COLUMNS}, {message_readable_sql('m', '$2')} AS visibility_reason FROM scope_messages m "
+        f"WHERE m.workspace_id = $1 AND m.id = $3 AND {message_readable_sql('m', '$2')} IS NOT NULL",
         workspace_id, viewer, message_id,
     )
 
@@ -206,7 +172,8 @@ async def message_revisions(conn: asyncpg.Connection, workspace_id: str, viewer:
     return await conn.fetch(
         f"SELECT r.revision, r.content, r.edited_by_member_id, r.created_at FROM scope_message_revisions r "
         f"JOIN scope_messages m ON m.scope_id = r.scope_id AND m.id = r.message_id "
-        f"WHERE m.workspace_id = $1 AND m.id = $3 AND m.state = 'visible' AND {readable_sql('m', '$2')} IS NOT NULL "
+        f"WHERE m.workspace_id = $1 AND m.id = $3 AND m.state = 'visible' "
+        f"AND {message_readable_sql('m', '$2')} IS NOT NULL "
         f"ORDER BY r.revision",
         workspace_id, viewer, message_id,
     )
@@ -222,21 +189,13 @@ async def reaction_summaries(conn: asyncpg.Connection, workspace_id: str, viewer
         f"min(r.created_at) AS first_at FROM scope_message_reactions r "
         f"JOIN scope_messages m ON m.scope_id = r.scope_id AND m.id = r.message_id "
         f"WHERE m.workspace_id = $1 AND r.message_id = ANY($3::text[]) AND m.state = 'visible' "
-        f"AND {readable_sql('m', '$2')} IS NOT NULL GROUP BY r.message_id, r.reaction_key ORDER BY first_at",
+        f"AND {message_readable_sql('m', '$2')} IS NOT NULL GROUP BY r.message_id, r.reaction_key ORDER BY first_at",
         workspace_id, viewer, message_ids,
     )
     summaries: dict[str, list[asyncpg.Record]] = {}
     for row in rows:
         summaries.setdefault(row["message_id"], []).append(row)
     return summaries
-
-
-async def viewer_membership(conn: asyncpg.Connection, scope_id: str, viewer: str) -> asyncpg.Record | None:
-    return await conn.fetchrow(
-        "SELECT last_read_seq, effective_from_seq FROM scope_memberships WHERE scope_id = $1 AND member_id = $2 "
-        "AND effective_to_seq IS NULL",
-        scope_id, viewer,
-    )
 
 
 async def workspace_global_tail(conn: asyncpg.Connection, workspace_id: str) -> int:
@@ -251,7 +210,7 @@ async def workspace_feed(conn: asyncpg.Connection, workspace_id: str, viewer: st
     """The viewer's readable messages across the workspace, by global seq."""
     return await conn.fetch(
         f"SELECT {_MESSAGE_COLUMNS} FROM scope_messages m WHERE m.workspace_id = $1 AND m.workspace_global_seq > $3 "
-        f"AND {readable_sql('m', '$2')} IS NOT NULL ORDER BY m.workspace_global_seq LIMIT $4",
+        f"AND {message_readable_sql('m', '$2')} IS NOT NULL ORDER BY m.workspace_global_seq LIMIT $4",
         workspace_id, viewer, after_global_seq, limit,
     )
 
@@ -290,13 +249,13 @@ async def inbox(conn: asyncpg.Connection, workspace_id: str, viewer: str, *, aft
                    (c.pinned_at IS NOT NULL)::int AS pinned, c.manual_unread_at IS NOT NULL AS manual_unread,
                    sm.last_read_seq, coalesce(n.state, 'active') AS notification_state,
                    p.display_name, p.slug
-            FROM scope_memberships sm
+            FROM {ENTITLED_MEMBERSHIPS} sm
             JOIN scopes s ON s.id = sm.scope_id
             LEFT JOIN scope_channel_profiles p ON p.scope_id = s.id
             LEFT JOIN conversation_member_states c
                    ON c.workspace_id = sm.workspace_id AND c.member_id = sm.member_id AND c.scope_id = sm.scope_id
             LEFT JOIN scope_notification_settings n ON n.scope_id = sm.scope_id AND n.member_id = sm.member_id
-            WHERE sm.workspace_id = $1 AND sm.member_id = $2 AND sm.effective_to_seq IS NULL
+            WHERE sm.workspace_id = $1 AND sm.member_id = $2
               AND s.status <> 'deleted' AND s.type <> 'workflow'
               AND (c.hidden_at IS NULL OR s.latest_seq > c.hidden_through_seq)
         )

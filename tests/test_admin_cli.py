@@ -38,6 +38,10 @@ async def test_single_workspace_edition_lifecycle(database_dsn: str, member_pass
     code, agent, _ = scopewire(database_dsn, "member", "create-agent", "--workspace", "acme", "--owner",
                                "root@example.com", "--handle", "helper", "--name", "Helper")
     assert code == 0
+    # The protocol's name rule holds for the operator too: no bidi overrides or zero-width characters.
+    code, _, err = scopewire(database_dsn, "member", "create-agent", "--workspace", "acme", "--owner",
+                             "root@example.com", "--handle", "spoof", "--name", "Help\u202eer")
+    assert code == 1 and "invalid: display_name" in err
     code, key, _ = scopewire(database_dsn, "apikey", "create", "--workspace", "acme", "--member", "helper",
                              "--scopes", "read")
     assert code == 0 and key["key"].startswith("swk_") and key["member_id"] == agent["member_id"]

@@ -1,7 +1,9 @@
 """The trio ↔ asyncpg bridge against a real PostgreSQL."""
 
 import asyncio
+import os
 import shutil
+import signal
 import threading
 import tempfile
 from pathlib import Path
@@ -12,7 +14,7 @@ import trio
 
 from storage.cluster import ClusterSettings, PostgresCluster
 
-from storage.bridge import Database, PoolSettings
+from storage.bridge import Database, PoolSettings, _translate
 from storage.errors import DatabaseUnavailable
 
 
@@ -155,6 +157,80 @@ async def test_survives_a_postgres_restart():
             # Connections broken by the restart fail at most once each, typed; then it works.
             outcomes = []
             for _ in range(8):
+                try:
+                    outcomes.append(await database.run(_one))
+                except DatabaseUnavailable:
+                    outcomes.append("unavailable")
+            assert outcomes[-4:] == [1, 1, 1, 1]
+    finally:
+        cluster.stop()
+        shutil.rmtree(data_dir, ignore_errors=True)
+
+
+@pytest.mark.parametrize("error", [
+    asyncpg.exceptions.InternalClientError("cannot switch to state 15; another operation (2) is in progress"),
+    asyncpg.exceptions.ConnectionDoesNotExistError("connection was closed in the middle of operation"),
+    asyncpg.exceptions.ClientCannotConnectError("cannot connect"),
+    asyncpg.exceptions.ProtocolViolationError("unexpected message"),
+    asyncpg.exceptions.InterfaceError("cannot perform operation: another operation is in progress"),
+    asyncpg.exceptions.CannotConnectNowError("the database system is in recovery mode"),
+    asyncpg.exceptions.TooManyConnectionsError("sorry, too many clients already"),
+    asyncpg.exceptions.CrashShutdownError("terminating connection because of crash of another server process"),
+    asyncpg.exceptions.AdminShutdownError("terminating connection due to administrator command"),
+    ConnectionResetError(104, "Connection reset by peer"),
+    FileNotFoundError(2, "No such file or directory"),  # the unix socket is gone
+    TimeoutError(),
+])
+def test_every_driver_error_of_an_outage_means_unavailable(error: BaseException):
+    translated = _translate(error)
+    assert isinstance(translated, DatabaseUnavailable) and translated.__cause__ is error
+
+
+@pytest.mark.parametrize("error", [asyncpg.exceptions.UniqueViolationError("duplicate key"),
+                                   asyncpg.exceptions.UndefinedTableError("no such table"),
+                                   ValueError("a bug")])
+def test_query_errors_and_bugs_are_not_an_outage(error: BaseException):
+    assert _translate(error) is error
+
+
+async def test_postmaster_killed_under_load_fails_every_unit_typed_and_the_pool_recovers():
+    data_dir = Path(tempfile.mkdtemp(prefix="scopewire-kill-"))
+    cluster = PostgresCluster(ClusterSettings(data_dir=data_dir, throwaway=True, binaries="bundled"))
+    cluster.start()
+    try:
+        async with Database(cluster.dsn("postgres"), PoolSettings(min_size=4, max_size=8)) as database:
+            await database.run(lambda c: c.execute("CREATE TABLE t (v int)"))
+            failures: list[BaseException] = []
+            completed = [0]
+            killed = trio.Event()
+
+            async def unit(conn):
+                await conn.execute("INSERT INTO t VALUES (1)")
+                return await conn.fetchval("SELECT count(*) FROM t")
+
+            async def worker() -> None:
+                while not killed.is_set() or len(failures) < 16:
+                    try:
+                        await database.transaction(unit)
+                        completed[0] += 1
+                    except Exception as exc:  # noqa: BLE001 - every one is inspected below
+                        failures.append(exc)
+                    if killed.is_set():
+                        await trio.sleep(0.01)  # no busy loop against a dead server
+
+            with trio.fail_after(60):
+                async with trio.open_nursery() as nursery:
+                    for _ in range(16):
+                        nursery.start_soon(worker)
+                    while completed[0] < 200:
+                        await trio.sleep(0.01)
+                    os.kill(cluster.postmaster_pid, signal.SIGKILL)
+                    killed.set()
+            assert failures and all(isinstance(f, DatabaseUnavailable) for f in failures), failures
+
+            await trio.to_thread.run_sync(cluster.restart_after_crash)
+            outcomes = []
+            for _ in range(12):
                 try:
                     outcomes.append(await database.run(_one))
                 except DatabaseUnavailable:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -77,3 +78,43 @@ async def test_a_send_writes_the_same_rows_whatever_the_audience(app: App, tenan
     written = await app.db.run(total_rows) - before
     # One message row and one outbox row (counters are updates).
     assert written == 2
+
+
+def _roster_writers() -> set[str]:
+    """Applier functions that write scope_memberships, directly or through another."""
+    tree = ast.parse((ROOT / "storage" / "applier.py").read_text())
+    functions = {node.name: node for node in tree.body if isinstance(node, ast.AsyncFunctionDef | ast.FunctionDef)}
+    direct = re.compile(r"\b(INSERT\s+INTO|UPDATE|DELETE\s+FROM)\s+scope_memberships\b")
+    writers = {name for name, node in functions.items() if direct.search(ast.unparse(node))}
+    while True:
+        callers = {name for name, node in functions.items() if name not in writers and any(
+            isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id in writers
+            for call in ast.walk(node))}
+        if not callers:
+            return writers
+        writers |= callers
+
+
+def test_only_the_scope_actor_writes_a_scope_roster():
+    """The scope's actor is the only writer of its memberships, creation included
+    (scope-model.md: one writer per scope): every other module may only read them."""
+    writers = _roster_writers()
+    assert {"apply_membership_mutations", "mark_read"} <= writers  # the scan does find them
+    allowed = {ROOT / "storage" / "applier.py", ROOT / "actors" / "scope_actor.py"}
+    uses = re.compile(r"\bapplier\.(" + "|".join(sorted(writers)) + r")\b|\bimport\b[^\n]*\b("
+                      + "|".join(sorted(writers)) + r")\b")
+    offenders = [f"{p.relative_to(ROOT)}: {m.group(0)}" for p in _sources("server", "actors", "storage", "protocol")
+                 if p not in allowed for m in uses.finditer(p.read_text())]
+    assert offenders == []
+
+
+def test_every_read_surface_goes_through_the_one_visibility_module():
+    """Who may read a scope, and who receives its events, is decided in
+    storage/visibility.py alone: nothing else reads the membership (or grant)
+    tables, so no read path can skip or re-implement the rule."""
+    reads = re.compile(r"\b(FROM|JOIN)\s+(scope_memberships|scope_private_grants)\b")
+    allowed = {ROOT / "storage" / "visibility.py"}
+    offenders = [f"{p.relative_to(ROOT)}: {m.group(0)}" for p in _sources("server", "actors", "storage", "protocol")
+                 if p not in allowed for m in reads.finditer(p.read_text())]
+    assert offenders == []
+    assert reads.search((ROOT / "storage" / "visibility.py").read_text())  # the pattern does find reads

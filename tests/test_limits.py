@@ -3,12 +3,23 @@ ephemeral signals (typing, presence) that are never stored."""
 
 from __future__ import annotations
 
+import contextlib
+import time
+
 import pytest
 import trio
+import trio.testing
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from client import ClientError, connect
 from protocol import frames
+from server.app import Server
+from server.auth import Authenticator
 from server.config import ServerConfig
+from server.credentials import SessionSigner
+from storage.bridge import Database, PoolSettings
+from storage.errors import DatabaseUnavailable
 from tests.conftest import App, add_person
 from tests.test_messaging import open_channel
 from tests.test_realtime import events_for
@@ -71,6 +82,23 @@ async def test_idle_connections_are_closed_and_heartbeats_keep_others(app: App, 
         assert (await busy.call("ping"))["protocol_version"] == frames.PROTOCOL_VERSION
 
 
+async def test_the_idle_timeout_holds_whatever_the_heartbeat_interval(db, nursery, tenants, mock_clock):
+    # Virtual time stands still (the mock clock) until the test moves it.
+    alpha, _ = tenants
+    config = ServerConfig(port=0, idle_timeout_seconds=3.0, heartbeat_seconds=30.0, heartbeat_timeout_seconds=20.0,
+                          shutdown_grace_seconds=1.0)
+    server = Server(config, db, Authenticator(db, SessionSigner(Ed25519PrivateKey.generate()), 3600))
+    await nursery.start(server.run)
+    async with await signed_in(App(server, db), alpha.owner) as idle:
+        mock_clock.jump(2.5)
+        await idle.ws.ping()  # answered, but control frames are not activity
+        assert idle.close_code is None
+        mock_clock.jump(1.0)  # 3.5 s since the last message; the next heartbeat is 26.5 s away
+        mock_clock.rate = 1.0
+        with trio.fail_after(5):
+            assert await idle.wait_closed() == frames.CLOSE_IDLE
+
+
 async def test_typing_and_presence_are_ephemeral(app: App, tenants, member_password_hash):
     alpha, _ = tenants
     ws = {"workspace_id": alpha.workspace_id}
@@ -106,3 +134,121 @@ async def test_typing_and_presence_are_ephemeral(app: App, tenants, member_passw
                 outcomes.append(exc.code)
         assert "rate_limited" in outcomes
         assert await stored() == before
+
+
+# --- brute force and floods ---------------------------------------------------------------------------
+
+async def start_server(db, nursery, config: ServerConfig) -> App:
+    server = Server(config, db, Authenticator(db, SessionSigner(Ed25519PrivateKey.generate()), 3600))
+    await nursery.start(server.run)
+    return App(server, db)
+
+
+async def test_failed_logins_are_throttled_per_account_with_growing_delays(db, nursery, tenants, mock_clock, caplog):
+    # Virtual time stands still (the mock clock) until the test moves it.
+    alpha, _ = tenants
+    app = await start_server(db, nursery, ServerConfig(port=0, shutdown_grace_seconds=1.0))
+    email, right = alpha.owner.email, alpha.owner.password
+    async with connect(app.url) as conn:
+        for _ in range(5):  # free failures
+            await expect_error("unauthenticated", conn.login(email, "wrong"))
+        await expect_error("unauthenticated", conn.login(email, "wrong"))  # the 6th blocks the account 1 s
+        throttled = await expect_error("rate_limited", conn.login(email, right))  # not even checked
+        assert throttled.details["retry_after_seconds"] == 1.0
+        await expect_error("rate_limited", conn.login(email.upper(), "wrong"))  # one account, however spelled
+        mock_clock.jump(1.1)
+        await expect_error("unauthenticated", conn.login(email, "wrong"))  # the 7th: 2 s
+        mock_clock.jump(1.5)
+        await expect_error("rate_limited", conn.login(email, right))
+        mock_clock.jump(0.6)
+        assert (await conn.login(email, right))["principal"] == "account"
+    # One warning for the throttled account, not one per attempt.
+    warnings = [r for r in caplog.records if r.getMessage() == "failed credentials: throttling"]
+    assert [r.key_kind for r in warnings] == ["account"]
+
+
+async def test_failed_logins_and_auths_are_throttled_per_address(db, nursery, tenants, mock_clock):
+    alpha, _ = tenants
+    app = await start_server(db, nursery, ServerConfig(port=0, shutdown_grace_seconds=1.0))
+    async with connect(app.url) as conn:
+        # 20 free failures per address, whatever the account or the credential kind.
+        for number in range(10):
+            await expect_error("unauthenticated", conn.login(f"nobody{number}@example.com", "wrong"))
+            await expect_error("unauthenticated", conn.auth(token="not-a-token") if number % 2
+                               else conn.auth(api_key="swk_not_a_key"))
+        await expect_error("unauthenticated", conn.login("nobody-else@example.com", "wrong"))  # the 21st
+        await expect_error("rate_limited", conn.login(alpha.owner.email, alpha.owner.password))
+        await expect_error("rate_limited", conn.auth(token="not-a-token"))
+        mock_clock.jump(1.1)
+        assert (await conn.login(alpha.owner.email, alpha.owner.password))["principal"] == "account"
+
+
+async def test_a_connection_flood_is_capped_and_authenticated_clients_keep_working(db, nursery, tenants, caplog):
+    alpha, _ = tenants
+    ws = {"workspace_id": alpha.workspace_id}
+    app = await start_server(db, nursery, ServerConfig(
+        port=0, auth_timeout_seconds=60.0, shutdown_grace_seconds=1.0, max_unauthenticated_per_address=8,
+        max_unauthenticated_connections=50, max_connections=100))
+    upgrade = (b"GET / HTTP/1.1\r\nHost: localhost\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+               b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+    async with await signed_in(app, alpha.owner) as owner, await signed_in(app, alpha.owner) as listener:
+        channel = await open_channel(owner, alpha.workspace_id, "during-flood")
+        await listener.call("subscribe", scopes=[{"scope_id": channel["id"]}], **ws)
+        flood, statuses = [], []
+        for _ in range(200):  # handshakes that will never authenticate
+            stream = await trio.open_tcp_stream("127.0.0.1", app.server.port)
+            flood.append(stream)
+            await stream.send_all(upgrade)
+            response = b""
+            with trio.fail_after(10):
+                while b"\r\n\r\n" not in response and (chunk := await stream.receive_some(4096)):
+                    response += chunk
+            statuses.append(response.split(b" ", 2)[1])
+        assert statuses.count(b"101") == 8 and statuses.count(b"503") == 192
+        # The authenticated clients are unaffected: a send reaches the subscriber.
+        sent = await owner.call("message.send", scope_id=channel["id"], content="still here", **ws)
+        assert (await events_for(listener, 1))[0]["data"]["id"] == sent["id"]
+        for stream in flood:
+            await stream.aclose()
+    refusals = [r for r in caplog.records if r.getMessage().startswith("refusing new connections")]
+    assert 1 <= len(refusals) <= 3  # not one line per refused handshake
+    # Once the flood is gone, the address may connect again.
+    async with await signed_in(app, alpha.owner) as again:
+        assert (await again.call("ping"))["protocol_version"] == frames.PROTOCOL_VERSION
+
+
+async def test_a_slow_command_is_not_mistaken_for_a_dead_peer(db, nursery, tenants, mock_clock, database_dsn):
+    # While a command is answered the server does not read the socket, so the
+    # client's pong waits there: the heartbeat must not abort the connection.
+    alpha, _ = tenants
+    app = await start_server(db, nursery, ServerConfig(port=0, heartbeat_seconds=1.0, heartbeat_timeout_seconds=1.0,
+                                                       shutdown_grace_seconds=1.0))
+    blocked = "wait_event_type = 'Lock' AND query LIKE '%FROM accounts%'"
+    async with connect(app.url) as conn, Database(database_dsn, PoolSettings(min_size=1, max_size=2)) as admin, \
+            trio.open_nursery() as tasks:
+        async def hold_lock(c):
+            await c.execute("LOCK TABLE accounts IN ACCESS EXCLUSIVE MODE")
+            await c.execute("SELECT pg_sleep(60)")
+
+        async def lock_holder():
+            with contextlib.suppress(DatabaseUnavailable):
+                await admin.transaction(hold_lock)
+
+        tasks.start_soon(lock_holder)
+        result = {}
+
+        async def log_in():
+            result["login"] = await conn.login(alpha.owner.email, alpha.owner.password)
+
+        tasks.start_soon(log_in)
+        with trio.fail_after(30):  # virtual time stands still: this bounds nothing but the test's own bugs
+            while not await admin.run(lambda c: c.fetchval(f"SELECT count(*) FROM pg_stat_activity WHERE {blocked}")):
+                await trio.to_thread.run_sync(time.sleep, 0.05)  # real time: the login waits in the database
+        mock_clock.jump(1.0)  # a heartbeat: ping
+        await trio.testing.wait_all_tasks_blocked()
+        mock_clock.jump(1.5)  # past the pong deadline, the login still running
+        await trio.testing.wait_all_tasks_blocked()
+        await admin.run(lambda c: c.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE query LIKE 'SELECT pg_sleep(60)%'"))
+    assert result["login"]["principal"] == "account"
+    assert (await conn.call("ping"))["protocol_version"] == frames.PROTOCOL_VERSION

@@ -3,19 +3,24 @@ loss or duplicates, entitlement, slow consumers."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
 
 import pytest
 import trio
-import trio_websocket
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from wsproto.events import CloseConnection, Message, Request, TextMessage
 
 from client import connect
 from protocol import frames
 from server.config import ServerConfig
+from storage.bridge import Database, PoolSettings
+from storage.errors import DatabaseUnavailable
 from tests.conftest import App, add_person
 from tests.test_messaging import open_channel
+from tests.test_transport import RawClient
 from tests.test_tenancy import expect_error, signed_in
 
 
@@ -216,40 +221,94 @@ async def test_subscriptions_need_authentication_and_entitlement(app: App, tenan
 
 @pytest.fixture
 def server_config() -> ServerConfig:
-    return ServerConfig(port=0, auth_timeout_seconds=2.0, expiry_sweep_seconds=0.5, shutdown_grace_seconds=1.0,
+    # A long close grace: a slow consumer that reads again within it sees its 4408.
+    return ServerConfig(port=0, auth_timeout_seconds=2.0, expiry_sweep_seconds=0.5, shutdown_grace_seconds=30.0,
                         push_buffer_events=8, push_timeout_seconds=1.0)
 
 
-async def test_a_stalled_client_is_cut_off_and_others_keep_up(app: App, tenants):
+async def open_stuck_client(app: App) -> RawClient:
+    """A raw client with a tiny receive buffer (no kernel autotuning), so the
+    server's backlog for it grows as soon as it stops reading."""
+    sock = trio.socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 * 1024)
+    await sock.connect(("127.0.0.1", app.server.port))
+    client = RawClient(trio.SocketStream(sock))
+    await client.send(Request(host="localhost", target="/", subprotocols=["scopewire.json"]))
+    await client.next_event()
+    return client
+
+
+async def test_a_stalled_client_is_cut_off_with_4408_and_others_keep_up(app: App, tenants):
     alpha, _ = tenants
     ws = {"workspace_id": alpha.workspace_id}
-    big = "x" * 30_000
+    count, big = 200, "x" * 30_000  # 6 MB: more than the push buffer and every kernel buffer in between
     async with await signed_in(app, alpha.owner) as owner:
         channel = await open_channel(owner, alpha.workspace_id, "firehose")
-        # A raw client that subscribes and then never reads again.
-        async with trio_websocket.open_websocket_url(app.url) as stalled, \
-                await signed_in(app, alpha.owner) as healthy:
-            for request in ({"op": "login", "id": "1", "email": alpha.owner.email, "password": alpha.owner.password},
-                            {"op": "subscribe", "id": "2", "scopes": [{"scope_id": channel["id"]}], **ws}):
-                await stalled.send_message(json.dumps(request))
-                while json.loads(await stalled.get_message()).get("id") != request["id"]:
-                    pass
+        stuck = await open_stuck_client(app)
+        for request in ({"op": "login", "id": "1", "email": alpha.owner.email, "password": alpha.owner.password},
+                        {"op": "subscribe", "id": "2", "scopes": [{"scope_id": channel["id"]}], **ws}):
+            await stuck.send(Message(data=json.dumps(request)))
+            while (await stuck.next_message()).get("id") != request["id"]:
+                pass
+        # From here on the stuck client reads nothing until everyone else has everything.
+        async with await signed_in(app, alpha.owner) as healthy:
             await healthy.call("subscribe", scopes=[{"scope_id": channel["id"]}], **ws)
-            received: list[int] = []
+            sent_at: dict[int, float] = {}
+            latencies: list[float] = []
 
             async def drain_healthy():
-                for event in await events_for(healthy, 200):
-                    received.append(event["seq"])
+                for event in await events_for(healthy, count):
+                    latencies.append(trio.current_time() - sent_at[event["seq"]])
 
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(drain_healthy)
-                for i in range(200):
+                for seq in range(1, count + 1):
+                    sent_at[seq] = trio.current_time()
                     await owner.call("message.send", scope_id=channel["id"], content=big, **ws)
-            assert received == list(range(1, 201))
-            # The stalled connection was cut off: reading now ends in a close.
+            assert len(latencies) == count
+            # Generous for a busy machine.  A publisher that blocked on the stuck socket
+            # would miss it (so would one that stalled 0.25 s per write to it: ~30 writes
+            # fill the 1 MB push buffer).
+            assert max(latencies) < 5.0, max(latencies)
+        # Now it reads: whatever was queued before the cut-off, then close 4408.
+        with trio.fail_after(20):
+            while not isinstance(event := await stuck.next_event(), CloseConnection):
+                assert isinstance(event, TextMessage)
+        assert event.code == frames.CLOSE_SLOW_CONSUMER
+        await stuck.stream.aclose()
+
+
+async def test_a_database_failure_during_a_replay_closes_unavailable_not_slow_consumer(app: App, tenants,
+                                                                                     database_dsn):
+    alpha, _ = tenants
+    ws = {"workspace_id": alpha.workspace_id}
+    replay_query = "wait_event_type = 'Lock' AND query LIKE '%FROM scope_messages m%'"
+    async with await signed_in(app, alpha.owner) as owner:
+        channel = await open_channel(owner, alpha.workspace_id, "replayed")
+        await owner.call("message.send", scope_id=channel["id"], content="missed", **ws)
+    # Hold the message log locked so the replay's query waits inside the database,
+    # then kill that query's connection: the replay fails with DatabaseUnavailable.
+    async with Database(database_dsn, PoolSettings(min_size=1, max_size=2)) as admin, \
+            trio.open_nursery() as nursery:
+        async def hold_lock(conn):
+            await conn.execute("LOCK TABLE scope_messages IN ACCESS EXCLUSIVE MODE")
+            await conn.execute("SELECT pg_sleep(60)")
+
+        async def lock_holder():
+            with contextlib.suppress(DatabaseUnavailable):
+                await admin.transaction(hold_lock)
+
+        nursery.start_soon(lock_holder)
+        async with await signed_in(app, alpha.owner) as resuming:
+            await resuming.call("subscribe", scopes=[{"scope_id": channel["id"], "after_seq": 0}], **ws)
             with trio.fail_after(15):
-                with pytest.raises(trio_websocket.ConnectionClosed) as closed:
-                    while True:
-                        frame = json.loads(await stalled.get_message())
-                        assert frame["type"] == "event"
-            assert closed.value.reason.code in (frames.CLOSE_SLOW_CONSUMER, 1006)
+                while not await admin.run(lambda c: c.fetchval(
+                        f"SELECT count(*) FROM pg_stat_activity WHERE {replay_query}")):
+                    await trio.sleep(0.05)  # the precondition: the replay waits in the database
+            await admin.run(lambda c: c.execute(
+                f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE {replay_query}"))
+            with trio.fail_after(15):
+                assert await resuming.wait_closed() == frames.CLOSE_UNAVAILABLE
+            assert resuming.ws.closed.reason == "unavailable"
+        await admin.run(lambda c: c.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE query LIKE 'SELECT pg_sleep(60)%'"))

@@ -6,7 +6,9 @@ import json
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 
+import pytest
 import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -21,23 +23,28 @@ from tests.test_serve import PROJECT_ROOT, data_dir, run_cli, start_serve, stop_
 from tests.test_tenancy import signed_in
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+@pytest.fixture
+def address() -> Iterator[socket.socket]:
+    """A listening loopback socket that outlives the servers given a descriptor of it."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock
 
 
-async def test_resuming_client_survives_a_server_restart(app: App, tenants, nursery, server_config):
+async def test_resuming_client_survives_a_server_restart(app: App, tenants, nursery, server_config, address):
     alpha, _ = tenants
     ws = {"workspace_id": alpha.workspace_id}
     async with await signed_in(app, alpha.owner) as owner:
         channel = await open_channel(owner, alpha.workspace_id, "durable")
-    port = free_port()
+    # The address outlives the servers, as with socket activation, so the restart cannot lose
+    # the port to another process (probing for a free port and binding it later could).
+    port = address.getsockname()[1]
     signer = SessionSigner(Ed25519PrivateKey.generate())
 
     async def serve_once(task_status=trio.TASK_STATUS_IGNORED):
-        config = type(server_config)(**{**server_config.__dict__, "port": port})
-        server = Server(config, app.db, Authenticator(app.db, signer, 3600))
+        listener = trio.SocketListener(trio.socket.from_stdlib_socket(address.dup()))
+        server = Server(server_config, app.db, Authenticator(app.db, signer, 3600), listeners=[listener])
         with trio.CancelScope() as scope:
             async with trio.open_nursery() as inner:
                 await inner.start(server.run)
@@ -72,22 +79,21 @@ async def test_resuming_client_survives_a_server_restart(app: App, tenants, nurs
             await send(0, 10)
             await first_ten.wait()
             first.cancel()  # the server goes away (connections closed with 1001)
-            await nursery.start(serve_once)  # and comes back on the same port
+            await nursery.start(serve_once)  # and a new one serves the same address
             await send(10, 20)
     assert seen == list(range(1, 21))
     assert client.reconnects >= 1
 
 
 async def test_agent_daemon_example_survives_a_server_restart(data_dir):  # noqa: F811
-    port = free_port()
     init = json.loads(run_cli("init", "--data-dir", str(data_dir), "--email", "o@example.com", "--name", "O",
                               "--workspace-name", "W", "--workspace-slug", "w").stdout)
     agent = json.loads(run_cli("member", "create-agent", "--data-dir", str(data_dir), "--workspace", "w",
                                "--owner", "o@example.com", "--handle", "daemon", "--name", "Daemon").stdout)
     key = json.loads(run_cli("apikey", "create", "--data-dir", str(data_dir), "--workspace", "w",
                              "--member", "daemon").stdout)
-    served = await start_serve(data_dir, port=port)
-    url = f"ws://127.0.0.1:{port}"
+    served = await start_serve(data_dir)
+    url = served.url
     state_file = data_dir / "daemon.cursor"
     state_file.write_text("0")  # from the beginning, so nothing sent before it connects is missed
     daemon_log = open(data_dir.parent / f"{data_dir.name}.daemon.log", "wb")
@@ -106,7 +112,7 @@ async def test_agent_daemon_example_survives_a_server_restart(data_dir):  # noqa
         while output.count(b"\n") < 3:
             output += await daemon.stdout.receive_some(65536)
     assert await stop_serve(served) == 0
-    served = await start_serve(data_dir, port=port)
+    served = await start_serve(data_dir, port=served.port)  # the daemon knows only this address
     async with connect(url) as owner:
         await owner.login("o@example.com", init["password"])
         for i in range(3, 6):

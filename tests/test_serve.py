@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -184,19 +185,62 @@ async def test_second_serve_on_one_data_dir_fails_clearly(data_dir: Path):
     assert await stop_serve(served) == 0
 
 
+def assert_one_line_error(done: subprocess.CompletedProcess[str], *mentions: str) -> None:
+    assert done.returncode == 1, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("scopewire: "), done.stderr
+    for mention in mentions:
+        assert mention in lines[0], lines[0]
+
+
+def test_port_in_use_fails_in_one_line_before_touching_the_data_dir(tmp_path: Path):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        done = run_cli("serve", "--data-dir", str(tmp_path / "data"), "--port", str(port))
+    assert_one_line_error(done, f"127.0.0.1:{port}", "in use")
+    assert not (tmp_path / "data").exists()  # no cluster initialised, nothing migrated
+
+
+@pytest.mark.parametrize("url, host", [
+    ("postgresql://u:secret@127.0.0.1:1/db", "127.0.0.1:1"),  # nothing listens on port 1
+    ("postgresql://u:secret@no-such-host.invalid/db", "no-such-host.invalid:5432"),
+    ("postgresql://u:secret@[::1/db", "--database-url"),
+    ("mysql://u:secret@localhost/db", "--database-url"),
+    ("postgresql://u:secret@localhost:99999/db", "--database-url"),
+])
+def test_unusable_database_url_fails_in_one_line(tmp_path: Path, url: str, host: str):
+    for command in (["serve", "--port", "0"], ["migrate"], ["workspace", "list"]):
+        done = run_cli(*command, "--data-dir", str(tmp_path), "--database-url", url)
+        assert_one_line_error(done, host)
+        assert "secret" not in done.stderr
+
+
+def test_missing_database_fails_in_one_line(tmp_path: Path, pg_cluster: PostgresCluster):
+    socket_dir = str(pg_cluster.socket_dir)
+    done = run_cli("serve", "--port", "0", "--data-dir", str(tmp_path),
+                   "--database-url", pg_cluster.dsn("no_such_database"))
+    assert_one_line_error(done, socket_dir, "no_such_database")
+
+
 def test_every_limit_flag_reaches_the_server_config(monkeypatch):
     from server.cli import build_parser, server_config_from
 
     flags = {"--auth-timeout": 3, "--session-ttl": 120, "--commands-per-second": 7, "--max-connections-per-member": 4,
              "--idle-timeout": 50, "--heartbeat": 9, "--heartbeat-timeout": 8, "--max-frame-bytes": 5000,
-             "--max-subscriptions": 6, "--push-buffer-bytes": 7000, "--push-buffer-events": 11, "--push-timeout": 2}
+             "--max-subscriptions": 6, "--push-buffer-bytes": 7000, "--push-buffer-events": 11, "--push-timeout": 2,
+             "--max-connections": 300, "--max-unauthenticated": 30, "--max-unauthenticated-per-address": 3,
+             "--shutdown-grace": 1.5}
     argv = ["serve"] + [str(part) for flag, value in flags.items() for part in (flag, value)]
     config = server_config_from(build_parser().parse_args(argv))
     assert (config.auth_timeout_seconds, config.session_ttl_seconds, config.commands_per_second,
             config.command_burst, config.max_connections_per_member, config.idle_timeout_seconds,
             config.heartbeat_seconds, config.heartbeat_timeout_seconds, config.max_frame_bytes,
             config.max_subscriptions_per_connection, config.push_buffer_bytes, config.push_buffer_events,
-            config.push_timeout_seconds) == (3, 120, 7, 14, 4, 50, 9, 8, 5000, 6, 7000, 11, 2)
+            config.push_timeout_seconds, config.max_connections, config.max_unauthenticated_connections,
+            config.max_unauthenticated_per_address, config.shutdown_grace_seconds,
+            ) == (3, 120, 7, 14, 4, 50, 9, 8, 5000, 6, 7000, 11, 2, 300, 30, 3, 1.5)
     # And the environment fallback, for one of them.
     monkeypatch.setenv("SCOPEWIRE_PUSH_BUFFER_BYTES", "4096")
     assert server_config_from(build_parser().parse_args(["serve"])).push_buffer_bytes == 4096

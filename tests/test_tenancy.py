@@ -15,7 +15,7 @@ from server import messaging
 from server import tenancy as ops
 from server.auth import system_context, system_workspace_context
 from server.context import RequestContext
-from server.rbac import ROLE_PERMISSIONS, Permission, Role
+from server.rbac import NON_HUMAN_PERMISSIONS, ROLE_PERMISSIONS, Permission, Role
 from storage import tenancy
 from protocol.errors import ProtocolError
 from storage.errors import Conflict, WriteFenced
@@ -59,11 +59,21 @@ SEED_MATRIX = {  # workspace-multi-tenant.md §10.4, transcribed: owner, admin, 
 }
 
 
+# Messaging is not in the seed's table: every role that may do more than read
+# participates; the viewer only reads (SPEC rule 8b).
+MESSAGING_MATRIX = {"message.read": "YYYYY", "message.write": "YYYYN"}
+
+
 def test_role_matrix_is_exactly_the_seed_matrix():
     roles = [Role.OWNER, Role.ADMIN, Role.DEVELOPER, Role.OPERATOR, Role.VIEWER]
-    for permission, allowed in SEED_MATRIX.items():
+    matrix = {**SEED_MATRIX, **MESSAGING_MATRIX}
+    assert set(matrix) == {p.value for p in Permission}
+    for permission, allowed in matrix.items():
         for role, flag in zip(roles, allowed):
             assert (Permission(permission) in ROLE_PERMISSIONS[role]) == (flag == "Y"), (permission, role)
+    # Agents and service identities have no role: they read and write scopes, nothing else.
+    assert NON_HUMAN_PERMISSIONS == {Permission.WORKSPACE_VIEW, Permission.MEMBER_VIEW, Permission.RESOURCE_VIEW,
+                                     Permission.MESSAGE_READ, Permission.MESSAGE_WRITE}
 
 
 @pytest.mark.parametrize("role", ["admin", "developer", "operator", "viewer"])
@@ -81,8 +91,16 @@ async def test_each_role_can_do_exactly_what_the_matrix_allows(app: App, tenants
             (Permission.MEMBER_UPDATE_ROLE, conn.call("member.set_role", member_id=victim.member_id,
                                                       role="operator", **ws)),
             (Permission.API_KEY_MANAGE, conn.call("apikey.create", name="k", member_id=victim.member_id, **ws)),
+            # No "for yourself" loophole: minting any key is api_key.manage.
+            (Permission.API_KEY_MANAGE, conn.call("apikey.create", name="mine", **ws)),
+            (Permission.API_KEY_MANAGE, conn.call("apikey.list", **ws)),
             (Permission.RESOURCE_MANAGE, conn.call("agent.create", handle=f"pub-{role}", display_name="P",
                                                    visibility="public", **ws)),
+            (Permission.MESSAGE_WRITE, conn.call("agent.create", handle=f"mine-{role}", display_name="Mine", **ws)),
+            (Permission.MESSAGE_WRITE, conn.call("channel.create", slug=f"by-{role}", display_name="C", **ws)),
+            (Permission.MESSAGE_WRITE, conn.call("dm.open", member_id=alpha.owner.member_id, **ws)),
+            (Permission.MESSAGE_READ, conn.call("channel.list", **ws)),
+            (Permission.MESSAGE_READ, conn.call("inbox.list", **ws)),
             (Permission.OWNER_TRANSFER, conn.call("owner.transfer", member_id=victim.member_id, **ws)),
             (Permission.MEMBER_REMOVE, conn.call("member.remove", member_id=victim.member_id, **ws)),
             (Permission.WORKSPACE_DELETE, conn.call("workspace.suspend", **ws)),
@@ -92,9 +110,75 @@ async def test_each_role_can_do_exactly_what_the_matrix_allows(app: App, tenants
                 await call
             else:
                 await expect_error("forbidden", call)
-        # Everyone may mint keys for themselves and own private agents.
-        await conn.call("apikey.create", name="mine", **ws)
-        await conn.call("agent.create", handle=f"mine-{role}", display_name="Mine", **ws)
+
+
+async def test_an_admin_cannot_mint_or_revoke_an_owners_keys(app: App, tenants, member_password_hash):
+    """A key acts with its member's permissions: an admin minting one for the
+    owner would hold owner.transfer and workspace.delete."""
+    alpha, _ = tenants
+    admin = await add_person(app.db, alpha.workspace_id, "admin@example.com", "admin", member_password_hash)
+    ws = {"workspace_id": alpha.workspace_id}
+    async with await signed_in(app, alpha.owner) as owner:
+        owners_key = await owner.call("apikey.create", name="owner's", **ws)
+    async with await signed_in(app, admin) as conn:
+        await expect_error("forbidden", conn.call("apikey.create", name="escalate", member_id=alpha.owner.member_id,
+                                                  scopes=["admin"], **ws))
+        await expect_error("forbidden", conn.call("apikey.revoke", api_key_id=owners_key["id"], **ws))
+        assert await conn.call("apikey.create", name="own", **ws)
+    assert await app.db.run(lambda c: c.fetchval("SELECT count(*) FROM api_keys")) == 2
+
+
+async def test_a_viewer_reads_and_keeps_its_own_read_state_but_writes_nothing(app: App, tenants,
+                                                                              member_password_hash):
+    alpha, _ = tenants
+    viewer = await add_person(app.db, alpha.workspace_id, "viewer@example.com", "viewer", member_password_hash)
+    ws = {"workspace_id": alpha.workspace_id}
+    async with await signed_in(app, alpha.owner) as owner:
+        channel = await owner.call("channel.create", slug="news", display_name="News", member_ids=[viewer.member_id],
+                                   **ws)
+        lobby = await owner.call("channel.create", slug="lobby", display_name="Lobby", **ws)
+        post = await owner.call("message.send", scope_id=channel["id"], content="hello viewers", **ws)
+        key = await owner.call("apikey.create", name="viewer's", member_id=viewer.member_id, **ws)
+
+    async def rows() -> int:
+        return await app.db.run(lambda c: c.fetchval(
+            "SELECT (SELECT count(*) FROM scope_messages) + (SELECT count(*) FROM scopes) "
+            "+ (SELECT count(*) FROM scope_message_reactions) + (SELECT count(*) FROM members)"))
+
+    before = await rows()
+    scope, message = {"scope_id": channel["id"], **ws}, {"message_id": post["id"], **ws}
+    async with await signed_in(app, viewer) as conn:
+        # Reads, and the member's own read state and participation.
+        assert [m["content"] for m in (await conn.call("message.history", **scope))["messages"]] == ["hello viewers"]
+        await conn.call("message.get", **message)
+        await conn.call("scope.members", **scope)
+        await conn.call("read.mark", seq=1, **scope)
+        await conn.call("read.mark_unread", **scope)
+        await conn.call("notification.set", state="quiet", **scope)
+        await conn.call("conversation.action", action="pin", **scope)
+        await conn.call("subscribe", scopes=[{"scope_id": channel["id"]}], **ws)
+        await conn.call("presence", state="online", **ws)
+        await conn.call("scope.join", scope_id=lobby["id"], **ws)  # joining a public channel lets it read
+        await conn.call("scope.leave", scope_id=lobby["id"], **ws)
+        # Nothing that puts content or structure in front of others.
+        for op, fields in (("message.send", dict(scope, content="hi")),
+                           ("thread.reply", dict(scope, root_message_id=post["id"], content="hi")),
+                           ("message.forward", dict(scope, source_message_ids=[post["id"]])),
+                           ("reaction.add", dict(message, key="👍")),
+                           ("message.edit", dict(message, content="x", expected_revision=1)),
+                           ("message.withdraw", message),
+                           ("typing", scope),
+                           ("scope.invite", dict(scope, member_ids=[alpha.owner.member_id])),
+                           ("scope.archive", scope),
+                           ("channel.create", dict(ws, slug="mine", display_name="Mine")),
+                           ("dm.open", dict(ws, member_id=alpha.owner.member_id)),
+                           ("agent.create", dict(ws, handle="my-bot", display_name="Bot"))):
+            error = await expect_error("forbidden", conn.call(op, **fields))
+            assert "permission" in error.message, (op, error.message)
+    async with connect(app.url) as keyed:  # a viewer's key cannot write either, whatever its scopes
+        await keyed.auth(api_key=key["key"])
+        await expect_error("forbidden", keyed.call("message.send", content="hi", **scope))
+    assert await rows() == before
 
 
 async def test_admin_cannot_touch_the_owner_and_nobody_becomes_owner_by_role(app: App, tenants, member_password_hash):

@@ -1,0 +1,110 @@
+"""The one visibility rule: who may read a scope and who is entitled to its
+events (SPEC rule 6).  Every read surface — history, permalink, revisions,
+reactions, inbox, scope.get / scope.members / channel.list, the workspace feed,
+subscribe and replay fills, read checks — and the fanout roster (the scope
+actor's roster, the outbox worker's, ephemeral signals) is decided here, in
+SQL.  No other module reads scope_memberships (a guardrail test checks it);
+the private-agent rules (owner-private visibility, grants, People
+collaborators) extend exactly this module.
+
+Today the rule is: a current (open) membership in the scope, held by a member
+who is still active in the workspace.  The second half makes a removal take
+effect at once, before the actors have closed the member's intervals (and if
+the process died before they could: the departed-member sweep closes them).
+"""
+
+from __future__ import annotations
+
+import asyncpg
+
+from actors.plan import RosterEntry
+
+# The memberships that grant reading and delivery, as a relation usable in any FROM.
+ENTITLED_MEMBERSHIPS = (
+    "(SELECT em.* FROM scope_memberships em JOIN members emm ON emm.workspace_id = em.workspace_id "
+    "AND emm.id = em.member_id WHERE em.effective_to_seq IS NULL AND emm.status = 'active')"
+)
+
+
+def message_readable_sql(message: str = "m", viewer: str = "$2") -> str:
+    """SQL yielding the visibility reason (text) of `message` for `viewer`, or NULL."""
+    return f"(CASE WHEN {scope_readable_sql(f'{message}.scope_id', viewer, by_id=True)} THEN 'membership' END)"
+
+
+def scope_readable_sql(scope: str = "s", viewer: str = "$2", *, by_id: bool = False) -> str:
+    """SQL: may `viewer` read the scope `scope` (a scopes alias, or an id expression with by_id)."""
+    scope_id = scope if by_id else f"{scope}.id"
+    return (f"EXISTS (SELECT 1 FROM {ENTITLED_MEMBERSHIPS} rv "
+            f"WHERE rv.scope_id = {scope_id} AND rv.member_id = {viewer})")
+
+
+async def entitled_roster(conn: asyncpg.Connection, scope_id: str) -> frozenset[str]:
+    """The members entitled to the scope's events."""
+    rows = await conn.fetch(f"SELECT member_id FROM {ENTITLED_MEMBERSHIPS} r WHERE r.scope_id = $1", scope_id)
+    return frozenset(r["member_id"] for r in rows)
+
+
+async def roster_entries(conn: asyncpg.Connection, scope_id: str) -> dict[str, RosterEntry]:
+    """The scope actor's roster: who may write here and receives its events."""
+    rows = await conn.fetch(
+        f"SELECT r.member_id, mem.kind, r.visibility, r.owner_member_id, r.last_read_seq FROM {ENTITLED_MEMBERSHIPS} r "
+        f"JOIN members mem ON mem.workspace_id = r.workspace_id AND mem.id = r.member_id WHERE r.scope_id = $1",
+        scope_id,
+    )
+    return {r["member_id"]: RosterEntry(r["member_id"], r["kind"], r["visibility"], r["owner_member_id"],
+                                        r["last_read_seq"]) for r in rows}
+
+
+async def scope_members(conn: asyncpg.Connection, scope_id: str) -> list[asyncpg.Record]:
+    """Current members; private members carry their owner (shown only as private)."""
+    return await conn.fetch(
+        f"SELECT r.member_id, mem.handle, mem.display_name, mem.kind, r.visibility, r.owner_member_id, "
+        f"r.effective_from_seq FROM {ENTITLED_MEMBERSHIPS} r JOIN members mem ON mem.workspace_id = r.workspace_id "
+        f"AND mem.id = r.member_id WHERE r.scope_id = $1 ORDER BY r.member_id",
+        scope_id,
+    )
+
+
+async def viewer_membership(conn: asyncpg.Connection, scope_id: str, viewer: str) -> asyncpg.Record | None:
+    """The viewer's read state in the scope, if the membership grants reading."""
+    return await conn.fetchrow(
+        f"SELECT r.last_read_seq, r.effective_from_seq FROM {ENTITLED_MEMBERSHIPS} r "
+        f"WHERE r.scope_id = $1 AND r.member_id = $2",
+        scope_id, viewer,
+    )
+
+
+# --- memberships that no longer grant anything (closed by the departed-member path) ----------------------
+
+async def scopes_with_open_membership(conn: asyncpg.Connection, workspace_id: str, member_id: str) -> list[str]:
+    rows = await conn.fetch(
+        "SELECT scope_id FROM scope_memberships WHERE workspace_id = $1 AND member_id = $2 "
+        "AND effective_to_seq IS NULL ORDER BY scope_id",
+        workspace_id, member_id,
+    )
+    return [r["scope_id"] for r in rows]
+
+
+async def departed_members_with_open_memberships(conn: asyncpg.Connection) -> list[asyncpg.Record]:
+    """(workspace_id, member_id) of members no longer active in their workspace
+    who still hold an open scope membership: what a removal left behind when the
+    process died before closing them."""
+    return await conn.fetch(
+        "SELECT DISTINCT mem.workspace_id, mem.id AS member_id FROM members mem "
+        "JOIN scope_memberships sm ON sm.workspace_id = mem.workspace_id AND sm.member_id = mem.id "
+        "AND sm.effective_to_seq IS NULL WHERE mem.status <> 'active' ORDER BY 1, 2"
+    )
+
+
+async def departed_among(conn: asyncpg.Connection, workspace_id: str, scope_id: str,
+                         member_ids: list[str]) -> list[str]:
+    """Which of `member_ids` hold an open membership here but are no longer active
+    members of the workspace (read in the closing transaction: a re-invitation
+    that committed first keeps the membership open)."""
+    rows = await conn.fetch(
+        "SELECT sm.member_id FROM scope_memberships sm JOIN members mem ON mem.workspace_id = sm.workspace_id "
+        "AND mem.id = sm.member_id WHERE sm.workspace_id = $1 AND sm.scope_id = $2 AND sm.member_id = ANY($3::text[]) "
+        "AND sm.effective_to_seq IS NULL AND mem.status <> 'active' ORDER BY sm.member_id FOR SHARE OF mem",
+        workspace_id, scope_id, member_ids,
+    )
+    return [r["member_id"] for r in rows]
