@@ -158,6 +158,25 @@ class ListenError(Exception):
     """The WebSocket address cannot be listened on; the message is one line for humans."""
 
 
+def inherited_listening_sockets() -> list[socket.socket]:
+    """Sockets passed by systemd socket activation (sd_listen_fds(3)): LISTEN_FDS of them
+    from descriptor 3, if LISTEN_PID names this process. The address then outlives the
+    process: clients connecting during a restart wait in the backlog instead of being refused."""
+    if os.environ.get("LISTEN_PID") != str(os.getpid()):
+        return []
+    count = os.environ.get("LISTEN_FDS", "0")
+    for name in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):  # not for our children
+        os.environ.pop(name, None)
+    sockets: list[socket.socket] = []
+    try:
+        for fd in range(3, 3 + int(count)):
+            os.set_inheritable(fd, False)
+            sockets.append(socket.socket(fileno=fd))
+    except (ValueError, OSError) as error:
+        raise ListenError(f"unusable sockets from socket activation (LISTEN_FDS={count}): {error}") from None
+    return sockets
+
+
 def bind_listening_sockets(host: str, port: int) -> list[socket.socket]:
     """Bind and listen the way trio.open_tcp_listeners does, but synchronously and first:
     a port in use fails before the database is started or migrated."""
@@ -186,7 +205,7 @@ def bind_listening_sockets(host: str, port: int) -> list[socket.socket]:
 def _serve(args: argparse.Namespace) -> int:
     config = _database_config(args)
     server_config = server_config_from(args)
-    sockets = bind_listening_sockets(server_config.host, server_config.port)
+    sockets = inherited_listening_sockets() or bind_listening_sockets(server_config.host, server_config.port)
     try:
         with provisioned(config) as target:
             lost = trio.run(_serve_async, target, config, server_config, sockets, _session_key_file(args, config))
@@ -214,8 +233,10 @@ async def _serve_async(target, config: DatabaseConfig, server_config: ServerConf
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 port = await nursery.start(server.run)
                 tune_garbage_collector()
-                print(f"scopewire ready on ws://{server_config.host}:{port}", flush=True)
-                log.info("ready", extra={"host": server_config.host, "port": port})
+                host = sockets[0].getsockname()[0]
+                host = f"[{host}]" if ":" in host else host
+                print(f"scopewire ready on ws://{host}:{port}", flush=True)
+                log.info("ready", extra={"host": host, "port": port})
                 async for signum in signals:
                     log.info("shutting down", extra={"signal": signal.Signals(signum).name})
                     break

@@ -40,21 +40,20 @@ class ClusterLost(ClusterError):
 
 
 def database_url_host(url: str) -> str:
-    """Where a database URL points ("host:port", or the socket dir), for messages;
-    DatabaseStartError when it is not a PostgreSQL URL. Never includes the password."""
+    """Where a database URL points ("host:port", several for a multi-host URL, or the socket
+    dir), for messages; DatabaseStartError when it is not a PostgreSQL URL. Never includes
+    the password."""
     try:
         parts = urlsplit(url)
-        port = parts.port
-        hostname = parts.hostname
     except ValueError as error:
         raise DatabaseStartError(f"malformed --database-url ({error}); expected "
                                  f"postgresql://user:password@host:port/database") from None
     if parts.scheme not in ("postgresql", "postgres"):
         raise DatabaseStartError(f"malformed --database-url (scheme {parts.scheme!r}); expected "
                                  f"postgresql://user:password@host:port/database")
-    query_host = parse_qs(parts.query).get("host", [None])[0]
-    host = hostname or query_host or "localhost"
-    return f"{host}:{port or parse_qs(parts.query).get('port', ['5432'])[0]}"
+    query = parse_qs(parts.query)
+    hosts = parts.netloc.rpartition("@")[2] or query.get("host", ["localhost"])[0]
+    return hosts if ":" in hosts else f"{hosts}:{query.get('port', ['5432'])[0]}"
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,6 @@ import signal
 from pathlib import Path
 
 import trio
-import trio_websocket
 
 from client import ClientError, connect
 from storage.lifecycle import RESTART_ATTEMPTS

@@ -242,7 +242,7 @@ async def test_arbitrary_json_in_every_field_of_every_op_never_answers_internal(
         assert (await _raw_reply(text_ws, json.dumps(login)))["type"] == "result"
         assert (await _raw_reply(binary_ws, msgspec.msgpack.encode(login)))["type"] == "result"
 
-        @settings(max_examples=500, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+        @settings(max_examples=1000, deadline=None, database=None, suppress_health_check=list(HealthCheck))
         @given(data=st.data())
         def probe(data):
             op = data.draw(st.sampled_from(FUZZED_OPS), label="op")

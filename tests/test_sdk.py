@@ -85,14 +85,14 @@ async def test_resuming_client_survives_a_server_restart(app: App, tenants, nurs
     assert client.reconnects >= 1
 
 
-async def test_agent_daemon_example_survives_a_server_restart(data_dir):  # noqa: F811
+async def test_agent_daemon_example_survives_a_server_restart(data_dir, address):  # noqa: F811
     init = json.loads(run_cli("init", "--data-dir", str(data_dir), "--email", "o@example.com", "--name", "O",
                               "--workspace-name", "W", "--workspace-slug", "w").stdout)
     agent = json.loads(run_cli("member", "create-agent", "--data-dir", str(data_dir), "--workspace", "w",
                                "--owner", "o@example.com", "--handle", "daemon", "--name", "Daemon").stdout)
     key = json.loads(run_cli("apikey", "create", "--data-dir", str(data_dir), "--workspace", "w",
                              "--member", "daemon").stdout)
-    served = await start_serve(data_dir)
+    served = await start_serve(data_dir, listening=address)
     url = served.url
     state_file = data_dir / "daemon.cursor"
     state_file.write_text("0")  # from the beginning, so nothing sent before it connects is missed
@@ -112,7 +112,7 @@ async def test_agent_daemon_example_survives_a_server_restart(data_dir):  # noqa
         while output.count(b"\n") < 3:
             output += await daemon.stdout.receive_some(65536)
     assert await stop_serve(served) == 0
-    served = await start_serve(data_dir, port=served.port)  # the daemon knows only this address
+    served = await start_serve(data_dir, listening=address)  # the daemon knows only this address
     async with connect(url) as owner:
         await owner.login("o@example.com", init["password"])
         for i in range(3, 6):

@@ -50,13 +50,19 @@ class Served:
         return f"ws://127.0.0.1:{self.port}"
 
 
-async def start_serve(data_dir: Path, *extra: str, port: int = 0) -> Served:
+async def start_serve(data_dir: Path, *extra: str, port: int = 0, listening: socket.socket | None = None) -> Served:
+    """`listening`: serve on this socket, passed the way systemd socket activation does."""
     stderr_path = data_dir.parent / f"{data_dir.name}.stderr"
     stderr = open(stderr_path, "ab")
-    process = await trio.lowlevel.open_process(
-        [*SCOPEWIRE, "serve", "--data-dir", str(data_dir), "--port", str(port), *extra],
-        stdout=subprocess.PIPE, stderr=stderr, cwd=PROJECT_ROOT,
-    )
+    argv = [*SCOPEWIRE, "serve", "--data-dir", str(data_dir), "--port", str(port), *extra]
+    passed: tuple[int, ...] = ()
+    if listening is not None:  # as descriptor 3, with LISTEN_PID naming the process that execs serve
+        passed = (listening.fileno(),)
+        argv = [sys.executable, "-c", f"import os, sys; os.dup2({passed[0]}, 3); os.close({passed[0]}); "
+                "os.environ.update(LISTEN_PID=str(os.getpid()), LISTEN_FDS='1'); os.execv(sys.argv[1], sys.argv[1:])",
+                *argv]
+    process = await trio.lowlevel.open_process(argv, stdout=subprocess.PIPE, stderr=stderr, cwd=PROJECT_ROOT,
+                                               pass_fds=passed)
     stderr.close()
     _started.append(process)
     line = b""
@@ -208,7 +214,8 @@ def test_port_in_use_fails_in_one_line_before_touching_the_data_dir(tmp_path: Pa
     ("postgresql://u:secret@no-such-host.invalid/db", "no-such-host.invalid:5432"),
     ("postgresql://u:secret@[::1/db", "--database-url"),
     ("mysql://u:secret@localhost/db", "--database-url"),
-    ("postgresql://u:secret@localhost:99999/db", "--database-url"),
+    ("postgresql://u:secret@localhost:99999/db", "localhost:99999"),
+    ("postgresql://u:secret@127.0.0.1:1,127.0.0.1:2/db", "127.0.0.1:1,127.0.0.1:2"),  # multi-host
 ])
 def test_unusable_database_url_fails_in_one_line(tmp_path: Path, url: str, host: str):
     for command in (["serve", "--port", "0"], ["migrate"], ["workspace", "list"]):
@@ -222,6 +229,19 @@ def test_missing_database_fails_in_one_line(tmp_path: Path, pg_cluster: Postgres
     done = run_cli("serve", "--port", "0", "--data-dir", str(tmp_path),
                    "--database-url", pg_cluster.dsn("no_such_database"))
     assert_one_line_error(done, socket_dir, "no_such_database")
+
+
+async def test_serve_uses_the_socket_passed_by_socket_activation(data_dir: Path, database_dsn: str):
+    with socket.socket() as passed, socket.socket() as taken:
+        for sock in (passed, taken):
+            sock.bind(("127.0.0.1", 0))
+            sock.listen()
+        # --port names a port in use: it is ignored when systemd hands over the socket.
+        served = await start_serve(data_dir, "--database-url", database_dsn, port=taken.getsockname()[1],
+                                   listening=passed)
+        assert served.port == passed.getsockname()[1]
+        assert (await ping(served.url))["type"] == "result"
+        assert await stop_serve(served) == 0
 
 
 def test_every_limit_flag_reaches_the_server_config(monkeypatch):
