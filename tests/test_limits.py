@@ -235,20 +235,28 @@ async def test_a_slow_command_is_not_mistaken_for_a_dead_peer(db, nursery, tenan
                 await admin.transaction(hold_lock)
 
         tasks.start_soon(lock_holder)
-        result = {}
+
+        async def wait_for_query(condition: str) -> None:
+            while not await admin.run(lambda c: c.fetchval(f"SELECT count(*) FROM pg_stat_activity WHERE {condition}")):
+                await trio.to_thread.run_sync(time.sleep, 0.05)  # real time (the mock clock stands still)
+
+        await wait_for_query("query = 'SELECT pg_sleep(60)'")  # the lock is held
+        result, done = {}, trio.Event()
 
         async def log_in():
             result["login"] = await conn.login(alpha.owner.email, alpha.owner.password)
+            done.set()
 
         tasks.start_soon(log_in)
-        with trio.fail_after(30):  # virtual time stands still: this bounds nothing but the test's own bugs
-            while not await admin.run(lambda c: c.fetchval(f"SELECT count(*) FROM pg_stat_activity WHERE {blocked}")):
-                await trio.to_thread.run_sync(time.sleep, 0.05)  # real time: the login waits in the database
+        await wait_for_query(blocked)  # the login waits in the database
         mock_clock.jump(1.0)  # a heartbeat: ping
         await trio.testing.wait_all_tasks_blocked()
         mock_clock.jump(1.5)  # past the pong deadline, the login still running
         await trio.testing.wait_all_tasks_blocked()
         await admin.run(lambda c: c.execute(
             "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE query LIKE 'SELECT pg_sleep(60)%'"))
-    assert result["login"]["principal"] == "account"
-    assert (await conn.call("ping"))["protocol_version"] == frames.PROTOCOL_VERSION
+        mock_clock.rate = 1.0
+        with trio.fail_after(20):
+            await done.wait()
+        assert result["login"]["principal"] == "account"
+        assert (await conn.call("ping"))["protocol_version"] == frames.PROTOCOL_VERSION

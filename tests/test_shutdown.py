@@ -28,10 +28,11 @@ def key_dir() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-async def serve_on(database_dsn: str, key_dir: Path, *extra: str) -> tuple[trio.Process, int]:
+async def serve_on(database_dsn: str, key_dir: Path, *extra: str, **popen) -> tuple[trio.Process, int]:
+    """`scopewire serve` on the test's database; its stderr goes to key_dir/stderr."""
     process = await trio.lowlevel.open_process(
         [*SCOPEWIRE, "serve", "--database-url", database_dsn, "--data-dir", str(key_dir), "--port", "0", *extra],
-        stdout=subprocess.PIPE, stderr=open(key_dir / "stderr", "wb"), cwd=PROJECT_ROOT)
+        stdout=subprocess.PIPE, stderr=open(key_dir / "stderr", "wb"), cwd=PROJECT_ROOT, **popen)
     line = b""
     with trio.fail_after(90):
         while not line.endswith(b"\n"):
