@@ -55,7 +55,8 @@ def build() -> dict:
                         "1007": "a text frame that is not UTF-8",
                         "1009": "message larger than the server's frame limit",
                         str(frames.CLOSE_UNAUTHENTICATED): "authentication timeout",
-                        str(frames.CLOSE_REVOKED): "credential revoked or expired",
+                        str(frames.CLOSE_REVOKED): "credential revoked or expired, membership ended or workspace "
+                                                   "suspended",
                         str(frames.CLOSE_SLOW_CONSUMER): "slow consumer: reconnect and resume from your cursors",
                         str(frames.CLOSE_IDLE): "idle timeout",
                         str(frames.CLOSE_UNAVAILABLE): "unavailable: delivery failed (e.g. the database is down); "

@@ -31,7 +31,7 @@ from actors.fanout import FanoutHub
 from actors.outbox_worker import OutboxWorker
 from actors.registry import ScopeRegistry
 from server import handlers, messaging
-from server.limits import ConnectionAdmission, KeyedRateLimiter, LoginThrottle, TokenBucket
+from server.limits import ConnectionAdmission, KeyedRateLimiter, TokenBucket, warn_if_descriptors_short
 from server import transport
 from server.auth import Authenticator
 from server.config import ServerConfig
@@ -155,6 +155,7 @@ class Server:
     async def run(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve until cancelled; then close every connection (1001, bounded by
         the shutdown grace), then stop the actors."""
+        warn_if_descriptors_short(self.config.max_connections)
         async with trio.open_nursery() as actors_nursery:
             self.outbox = OutboxWorker(self.db, self.hub)
             outbox = self.outbox

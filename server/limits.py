@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import resource
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -157,6 +158,21 @@ class LoginThrottle:
         for key in keys:
             if key[0] == "account":
                 self._keys.pop(key, None)
+
+
+# Descriptors a server needs besides its client connections (database pool,
+# LISTEN connection, listeners, logs, the runtime's own).
+DESCRIPTOR_RESERVE = 64
+
+
+def warn_if_descriptors_short(max_connections: int) -> None:
+    """--max-connections only protects the server if it is below the
+    descriptor limit; beyond it accept() fails with EMFILE first."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and max_connections + DESCRIPTOR_RESERVE > soft:
+        log.warning("--max-connections is above what the descriptor limit allows; raise `ulimit -n` or lower it",
+                    extra={"max_connections": max_connections, "descriptor_limit": soft,
+                           "reserve": DESCRIPTOR_RESERVE})
 
 
 # --- connection admission --------------------------------------------------------------------------

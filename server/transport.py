@@ -43,7 +43,7 @@ RECV_BYTES = 64 * 1024
 CLOSE_ABNORMAL = 1006
 CLOSE_MESSAGE_TOO_BIG = 1009
 ACCEPT_BACKOFF_SECONDS = 0.1
-ACCEPT_FAILURE_LOG_INTERVAL = 0.0
+ACCEPT_FAILURE_LOG_INTERVAL = 10.0
 REFUSED_RESPONSE = (b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 5\r\nContent-Length: 0\r\n"
                     b"Connection: close\r\n\r\n")
 

@@ -298,13 +298,17 @@ async def test_a_database_failure_during_a_replay_closes_unavailable_not_slow_co
             with contextlib.suppress(DatabaseUnavailable):
                 await admin.transaction(hold_lock)
 
-        nursery.start_soon(lock_holder)
-        async with await signed_in(app, alpha.owner) as resuming:
-            await resuming.call("subscribe", scopes=[{"scope_id": channel["id"], "after_seq": 0}], **ws)
+        async def wait_for_query(condition: str) -> None:
             with trio.fail_after(15):
                 while not await admin.run(lambda c: c.fetchval(
-                        f"SELECT count(*) FROM pg_stat_activity WHERE {replay_query}")):
-                    await trio.sleep(0.05)  # the precondition: the replay waits in the database
+                        f"SELECT count(*) FROM pg_stat_activity WHERE {condition}")):
+                    await trio.sleep(0.05)  # waiting for a precondition inside the database
+
+        nursery.start_soon(lock_holder)
+        await wait_for_query("query = 'SELECT pg_sleep(60)'")  # the lock is held
+        async with await signed_in(app, alpha.owner) as resuming:
+            await resuming.call("subscribe", scopes=[{"scope_id": channel["id"], "after_seq": 0}], **ws)
+            await wait_for_query(replay_query)  # the replay waits in the database
             await admin.run(lambda c: c.execute(
                 f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE {replay_query}"))
             with trio.fail_after(15):

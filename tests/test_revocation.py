@@ -91,12 +91,17 @@ async def test_the_revocation_watcher_survives_a_database_failure(app: App, tena
             with contextlib.suppress(DatabaseUnavailable):
                 await admin.transaction(hold_lock)
 
+        async def wait_for_query(condition: str) -> None:
+            with trio.fail_after(15):
+                while not await admin.run(lambda c: c.fetchval(
+                        f"SELECT count(*) FROM pg_stat_activity WHERE {condition}")):
+                    await trio.sleep(0.05)  # waiting for a precondition inside the database
+
         nursery.start_soon(lock_holder)
+        await wait_for_query("query = 'SELECT pg_sleep(60)'")  # the lock is held
         await admin.run(lambda c: c.execute("SELECT pg_notify($1, $2)", tenancy.AUTH_CHANNEL,
                                             json.dumps({"kind": "api_key", "api_key_id": key["id"]})))
-        with trio.fail_after(15):
-            while not await admin.run(lambda c: c.fetchval(f"SELECT count(*) FROM pg_stat_activity WHERE {blocked}")):
-                await trio.sleep(0.05)  # the precondition: the watcher's query waits in the database
+        await wait_for_query(blocked)  # the watcher's check waits in the database
         await admin.run(lambda c: c.execute(
             f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE {blocked} "
             "OR query LIKE 'SELECT pg_sleep(60)%'"))
