@@ -13,6 +13,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from protocol import frames as f
+from protocol import results as r
 from protocol.errors import ErrorCode, ProtocolError
 from server import messaging, realtime
 from server import tenancy as ops
@@ -116,8 +117,8 @@ async def revoke_sessions(server: Server, connection: Connection, request: f.Rev
 # --- workspaces -------------------------------------------------------------------------------
 
 async def workspace_list(server: Server, connection: Connection, request: f.WorkspaceList,
-                         ctx: RequestContext) -> list[f.WorkspaceInfo]:
-    return [_workspace_info(r) for r in await ops.list_workspaces(server.db, ctx)]
+                         ctx: RequestContext) -> r.WorkspaceListResult:
+    return r.WorkspaceListResult([_workspace_info(row) for row in await ops.list_workspaces(server.db, ctx)])
 
 
 async def workspace_get(server: Server, connection: Connection, request: f.WorkspaceGet,
@@ -146,8 +147,8 @@ async def workspace_suspend(server: Server, connection: Connection, request: f.W
 # --- members ----------------------------------------------------------------------------------
 
 async def member_list(server: Server, connection: Connection, request: f.MemberList,
-                      ctx: RequestContext) -> list[f.MemberInfo]:
-    return [_member_info(r) for r in await ops.list_members(server.db, ctx)]
+                      ctx: RequestContext) -> r.MemberListResult:
+    return r.MemberListResult([_member_info(row) for row in await ops.list_members(server.db, ctx)])
 
 
 async def member_set_role(server: Server, connection: Connection, request: f.MemberSetRole,
@@ -189,10 +190,10 @@ async def invitation_create(server: Server, connection: Connection, request: f.I
 
 
 async def invitation_list(server: Server, connection: Connection, request: f.InvitationList,
-                          ctx: RequestContext) -> list[f.InvitationInfo]:
-    return [f.InvitationInfo(id=r["id"], email=r["email"], role=r["role"], status=r["status"],
-                             expires_at=_epoch(r["expires_at"]))
-            for r in await ops.list_invitations(server.db, ctx)]
+                          ctx: RequestContext) -> r.InvitationListResult:
+    return r.InvitationListResult([f.InvitationInfo(id=row["id"], email=row["email"], role=row["role"],
+                                                    status=row["status"], expires_at=_epoch(row["expires_at"]))
+                                   for row in await ops.list_invitations(server.db, ctx)])
 
 
 async def invitation_revoke(server: Server, connection: Connection, request: f.InvitationRevoke,
@@ -213,8 +214,8 @@ async def apikey_create(server: Server, connection: Connection, request: f.ApiKe
 
 
 async def apikey_list(server: Server, connection: Connection, request: f.ApiKeyList,
-                      ctx: RequestContext) -> list[f.ApiKeyInfo]:
-    return [_key_info(r) for r in await ops.list_api_keys(server.db, ctx)]
+                      ctx: RequestContext) -> r.ApiKeyListResult:
+    return r.ApiKeyListResult([_key_info(row) for row in await ops.list_api_keys(server.db, ctx)])
 
 
 async def apikey_revoke(server: Server, connection: Connection, request: f.ApiKeyRevoke,
@@ -261,6 +262,16 @@ assert set(PUBLIC) | set(AUTHENTICATED) | set(IN_WORKSPACE) == set(f.CLIENT_FRAM
 
 
 async def dispatch(server: Server, connection: Connection, request: f.Request) -> Any:
+    """The request's result, of exactly the type protocol.results.RESULTS names for its op."""
+    result = await _route(server, connection, request)
+    if type(result) is not r.RESULTS[type(request)]:
+        # A handler that strays from the published contract is a bug (answered `internal`).
+        raise TypeError(f"{f.op_of(request)} returned {type(result).__name__}, "
+                        f"the contract says {r.RESULTS[type(request)].__name__}")
+    return result
+
+
+async def _route(server: Server, connection: Connection, request: f.Request) -> Any:
     kind = type(request)
     handler = PUBLIC.get(kind)
     if handler is not None:

@@ -20,6 +20,7 @@ from actors.fanout import CommittedEvent
 from actors.plan import ActorContext, ChannelProfile, CommittedMessage, MembershipMutation, MessageIntent, SourceRef
 from actors.routing_tokens import MentionMode
 from protocol import frames as f
+from protocol import results as r
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.reaction_keys import InvalidReactionKey, normalize_reaction_key
 from server.context import RequestContext, WorkspaceContext
@@ -192,10 +193,10 @@ async def channel_create(server: Server, connection: Connection, request: f.Chan
 
 
 async def channel_list(server: Server, connection: Connection, request: f.ChannelList,
-                       ctx: RequestContext) -> list[f.ScopeInfo]:
+                       ctx: RequestContext) -> r.ChannelListResult:
     workspace = ctx.require(Permission.MESSAGE_READ)
     rows = await server.db.run(messages.channel_list, workspace.workspace_id, workspace.member_id)
-    return [scope_info(r, r["is_member"]) for r in rows]
+    return r.ChannelListResult([scope_info(row, row["is_member"]) for row in rows])
 
 
 async def dm_open(server: Server, connection: Connection, request: f.DmOpen, ctx: RequestContext) -> f.ScopeInfo:
@@ -237,11 +238,12 @@ async def scope_get(server: Server, connection: Connection, request: f.ScopeGet,
 
 
 async def scope_members(server: Server, connection: Connection, request: f.ScopeMembers,
-                        ctx: RequestContext) -> list[f.ScopeMemberInfo]:
+                        ctx: RequestContext) -> r.ScopeMembersResult:
     _, row = await _scope(server, ctx, request.scope_id, Permission.MESSAGE_READ)
-    return [f.ScopeMemberInfo(member_id=r["member_id"], handle=r["handle"], display_name=r["display_name"],
-                              kind=r["kind"], visibility=r["visibility"], owner_member_id=r["owner_member_id"])
-            for r in await server.db.run(visibility.scope_members, row["id"])]
+    return r.ScopeMembersResult([
+        f.ScopeMemberInfo(member_id=m["member_id"], handle=m["handle"], display_name=m["display_name"],
+                          kind=m["kind"], visibility=m["visibility"], owner_member_id=m["owner_member_id"])
+        for m in await server.db.run(visibility.scope_members, row["id"])])
 
 
 async def scope_join(server: Server, connection: Connection, request: f.ScopeJoin, ctx: RequestContext) -> f.Ok:
@@ -477,21 +479,25 @@ async def message_get(server: Server, connection: Connection, request: f.Message
 
 # --- read state, notifications, inbox ------------------------------------------------------------------------
 
-async def read_mark(server: Server, connection: Connection, request: f.ReadMark, ctx: RequestContext) -> dict:
+async def read_mark(server: Server, connection: Connection, request: f.ReadMark,
+                    ctx: RequestContext) -> r.ReadStateResult:
     workspace, row = await _scope(server, ctx, request.scope_id, Permission.MESSAGE_READ)
-    return await _submit(server, row["id"], cmd.MarkRead(_actor(workspace), request.seq))
+    outcome = await _submit(server, row["id"], cmd.MarkRead(_actor(workspace), request.seq))
+    return r.ReadStateResult(last_read_seq=outcome["last_read_seq"])
 
 
 async def read_mark_unread(server: Server, connection: Connection, request: f.ReadMarkUnread,
-                           ctx: RequestContext) -> dict:
+                           ctx: RequestContext) -> r.ReadStateResult:
     workspace, row = await _scope(server, ctx, request.scope_id, Permission.MESSAGE_READ)
-    return await _submit(server, row["id"], cmd.MarkRead(_actor(workspace), request.from_seq, unread=True))
+    outcome = await _submit(server, row["id"], cmd.MarkRead(_actor(workspace), request.from_seq, unread=True))
+    return r.ReadStateResult(last_read_seq=outcome["last_read_seq"])
 
 
 async def notification_set(server: Server, connection: Connection, request: f.NotificationSet,
-                           ctx: RequestContext) -> dict:
+                           ctx: RequestContext) -> r.NotificationStateResult:
     workspace, row = await _scope(server, ctx, request.scope_id, Permission.MESSAGE_READ)
-    return await _submit(server, row["id"], cmd.SetNotification(_actor(workspace), request.state))
+    outcome = await _submit(server, row["id"], cmd.SetNotification(_actor(workspace), request.state))
+    return r.NotificationStateResult(state=outcome["state"])
 
 
 async def inbox_list(server: Server, connection: Connection, request: f.InboxList, ctx: RequestContext) -> f.InboxPage:

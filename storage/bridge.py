@@ -108,6 +108,8 @@ class Database:
         self._completions: collections.deque[_Job] = collections.deque()
         self._complete_wake_pending = False
         self._closed = False
+        # Units handed over and not yet completed (waiting for a pooled connection or running).
+        self.units_in_flight = 0
 
     # --- lifecycle -----------------------------------------------------------------
 
@@ -202,6 +204,13 @@ class Database:
             raise DatabaseUnavailable("database bridge is not running")
         job = _Job(fn, args, kwargs, mode, trio.lowlevel.current_task())
         self._submissions.append(job)
+        self.units_in_flight += 1
+        try:
+            return await self._await_job(job, meanwhile)
+        finally:
+            self.units_in_flight -= 1
+
+    async def _await_job(self, job: _Job, meanwhile: Callable[[], None] | None) -> T:
         if not self._submit_wake_pending:
             self._submit_wake_pending = True
             self._loop.call_soon_threadsafe(self._drain_submissions)
@@ -226,6 +235,14 @@ class Database:
             await trio.lowlevel.checkpoint()  # raises the pending trio.Cancelled
             raise DatabaseUnavailable("unit of work was cancelled")
         return job.result.unwrap()
+
+    def pool_figures(self) -> dict[str, int]:
+        """Pool connections (open, idle, maximum) for metrics.  Read from the trio
+        thread while the loop thread owns the pool: a momentary snapshot."""
+        pool = self._pool
+        if pool is None:
+            return {"open": 0, "idle": 0, "max": self.settings.max_size}
+        return {"open": pool.get_size(), "idle": pool.get_idle_size(), "max": pool.get_max_size()}
 
     # --- loop side -------------------------------------------------------------------
 
