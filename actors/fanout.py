@@ -58,6 +58,9 @@ class FanoutHub:
         self._by_scope: dict[str, set[Subscription]] = defaultdict(set)
         self._by_workspace: dict[str, set[Subscription]] = defaultdict(set)
         self.published = 0
+        # Frames handed to subscribers' sinks, and their bytes (plain ints: read at scrape time).
+        self.delivered = 0
+        self.delivered_bytes = 0
 
     def subscribe(self, member_id: str, sink: Sink) -> Subscription:
         return Subscription(member_id=member_id, sink=sink)
@@ -105,6 +108,7 @@ class FanoutHub:
         per connection.  Never blocks."""
         pending: dict[Subscription, list[bytes]] = {}
         single = len(items) == 1
+        delivered = delivered_bytes = 0
         for event, roster in items:
             self.published += 1
             entitled = event.audience if event.audience is not None else roster
@@ -124,6 +128,8 @@ class FanoutHub:
                 frame = subscription.sink.admit(event)
                 if frame is None:
                     continue
+                delivered += 1
+                delivered_bytes += len(frame)
                 if single:
                     subscription.sink.write([frame])
                 elif subscription in pending:
@@ -133,3 +139,5 @@ class FanoutHub:
         for subscription, frames in pending.items():
             if subscription.active:
                 subscription.sink.write(frames)
+        self.delivered += delivered
+        self.delivered_bytes += delivered_bytes

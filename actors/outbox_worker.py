@@ -29,6 +29,7 @@ class OutboxWorker:
         self.owner = new_id("con")
         self.wake = trio.Event()
         self.replayed = 0
+        self.failed_attempts = 0  # deliveries that failed and were scheduled for a retry
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
@@ -52,6 +53,7 @@ class OutboxWorker:
                 raise
             except Exception as exc:  # noqa: BLE001 - any failure of the side effect is retried
                 backoff = min(2 ** row["attempts"], 300)
+                self.failed_attempts += 1
                 await self.db.transaction(applier.settle_failed_attempt, row["id"], repr(exc), backoff)
         return len(rows)
 

@@ -3,7 +3,9 @@ gone when idle, replaced after a crash."""
 
 from __future__ import annotations
 
+import contextvars
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -15,12 +17,20 @@ from storage.bridge import Database
 
 log = logging.getLogger("scopewire.actors")
 
+# Seconds the current task has spent waiting on scope actors (submit to reply);
+# the server reads it to time a command's "actor" phase.
+actor_seconds: contextvars.ContextVar[float] = contextvars.ContextVar("scopewire_actor_seconds", default=0.0)
+
 
 class ScopeRegistry:
     def __init__(self, db: Database, hub: FanoutHub, nursery: trio.Nursery, *, idle_seconds: float = 30.0,
                  outbox_wake: Callable[[], None] | None = None, submit_timeout_seconds: float = 30.0,
-                 mailbox_size: int = 1024) -> None:
+                 mailbox_size: int = 1024, on_commit: Callable[[int, float], None] | None = None) -> None:
         self.db = db
+        self.on_commit = on_commit
+        # Actors start in this context, not in that of the connection whose command
+        # started them: request-scoped log fields must not stick to an actor's lines.
+        self._context = contextvars.copy_context()
         self.hub = hub
         self._nursery = nursery
         self._actors: dict[str, ScopeActor] = {}
@@ -33,9 +43,10 @@ class ScopeRegistry:
     def _actor_for(self, scope_id: str) -> ScopeActor:
         actor = self._actors.get(scope_id)
         if actor is None or actor.stopped:
-            actor = ScopeActor(scope_id, self.db, self.hub, self.outbox_wake, self.idle_seconds, self.mailbox_size)
+            actor = ScopeActor(scope_id, self.db, self.hub, self.outbox_wake, self.idle_seconds, self.mailbox_size,
+                               self.on_commit)
             self._actors[scope_id] = actor
-            self._nursery.start_soon(self._supervise, actor)
+            self._context.run(self._nursery.start_soon, self._supervise, actor)
         return actor
 
     async def _supervise(self, actor: ScopeActor) -> None:
@@ -53,6 +64,13 @@ class ScopeRegistry:
         but never longer than `submit_timeout_seconds` in all (then
         ActorUnavailable; a command already taken may still commit, which an
         idempotent retry resolves)."""
+        started = time.perf_counter()
+        try:
+            return await self._submit(scope_id, command)
+        finally:
+            actor_seconds.set(actor_seconds.get() + time.perf_counter() - started)
+
+    async def _submit(self, scope_id: str, command: Command) -> Any:
         with trio.move_on_after(self.submit_timeout_seconds):
             for _ in range(3):
                 actor = self._actor_for(scope_id)
@@ -67,3 +85,7 @@ class ScopeRegistry:
     @property
     def active(self) -> int:
         return len(self._actors)
+
+    def mailbox_depths(self) -> list[int]:
+        """Each live actor's waiting commands (read at scrape time)."""
+        return [actor.mailbox_depth for actor in self._actors.values()]

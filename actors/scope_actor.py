@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from functools import partial
 from dataclasses import dataclass, field
 from collections.abc import Callable
@@ -195,8 +196,11 @@ class _Outcome:
 
 class ScopeActor:
     def __init__(self, scope_id: str, db: Database, hub: FanoutHub, outbox_wake: Callable[[], None] | None = None,
-                 idle_seconds: float = 30.0, mailbox_size: int = 1024) -> None:
+                 idle_seconds: float = 30.0, mailbox_size: int = 1024,
+                 on_commit: Callable[[int, float], None] | None = None) -> None:
         self.scope_id = scope_id
+        # Told (batch size, seconds in the transaction) after each committed batch: metrics.
+        self.on_commit = on_commit
         self.db = db
         self.hub = hub
         self.idle_seconds = idle_seconds
@@ -209,6 +213,11 @@ class ScopeActor:
         # Messages delivered inline whose outbox rows are not marked yet: the mark
         # rides in the next batch's transaction, or goes alone when the mailbox is empty.
         self._unsettled: list[str] = []
+
+    @property
+    def mailbox_depth(self) -> int:
+        """Commands waiting in the mailbox."""
+        return self._inbox.statistics().current_buffer_used
 
     async def run(self) -> None:
         """Serve until idle; a crash fails the pending commands and ends the task
@@ -277,6 +286,7 @@ class ScopeActor:
             return await self._create(batch)
         publication = _Publication()
         settling = list(self._unsettled)
+        started = time.perf_counter()
         try:
             if previous is not None:
                 outcomes = await self.db.transaction_overlapping(partial(self._publish, previous), self._apply_batch,
@@ -293,6 +303,8 @@ class ScopeActor:
                 command.reply.fail(exc)
             return publication
         del self._unsettled[:len(settling)]
+        if self.on_commit is not None:
+            self.on_commit(len(batch), time.perf_counter() - started)
         # Answered before anything else can fail: the batch has committed.
         for command, outcome in zip(batch, outcomes):
             if isinstance(outcome, BaseException):

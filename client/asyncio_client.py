@@ -14,6 +14,7 @@ import websockets
 
 from client.cursors import Cursors
 from client.trio_client import EVENT_BUFFER, ClientError
+from client.wire import decode_frame
 
 
 class AsyncioConnection:
@@ -26,7 +27,7 @@ class AsyncioConnection:
     async def _read(self) -> None:
         try:
             async for raw in self.ws:
-                frame = json.loads(raw)
+                frame = decode_frame(raw)
                 if frame.get("type") == "event":
                     if self._events.full():  # the application is not consuming: drop and let it resume
                         await self.ws.close(4408, "client event buffer full")

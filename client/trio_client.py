@@ -14,6 +14,8 @@ from typing import Any
 import trio
 import trio_websocket
 
+from client.wire import decode_frame
+
 EVENT_BUFFER = 10_000
 
 
@@ -37,7 +39,7 @@ class Connection:
     async def _read(self) -> None:
         try:
             while True:
-                frame = json.loads(await self.ws.get_message())
+                frame = decode_frame(await self.ws.get_message())
                 if frame.get("type") == "event":
                     try:
                         self._events_in.send_nowait(frame)

@@ -68,6 +68,20 @@ class Connection:
     push: PushState | None = None
     last_inbound: float = field(default_factory=trio.current_time)
     command_bucket: TokenBucket | None = None
+    # Workspaces a session has acted in (None until its first workspace request):
+    # a removal or suspension there closes it.
+    workspaces: set[str] | None = None
+
+    def acted_in(self, workspace_id: str) -> None:
+        if self.workspaces is None:
+            self.workspaces = set()
+        self.workspaces.add(workspace_id)
+
+    def session_workspaces(self) -> set[str]:
+        found = set(self.workspaces or ())
+        if self.push is not None:
+            found.add(self.push.workspace_id)
+        return found
 
     @property
     def binary(self) -> bool:
@@ -389,11 +403,10 @@ class Server:
                 await self._close_expired()
 
     def _in_workspace(self, workspace_id: str) -> list[Connection]:
-        """Connections acting in a workspace: its API keys' and the sessions whose
-        subscriptions follow it (a session's current workspace)."""
+        """Connections acting in a workspace: its API keys' and the sessions that
+        made a request in it or follow it."""
         return [c for c in self.connections.all if c.principal is not None and (
-            c.principal.key_workspace_id == workspace_id
-            or (c.push is not None and c.push.workspace_id == workspace_id))]
+            c.principal.key_workspace_id == workspace_id or workspace_id in c.session_workspaces())]
 
     async def _apply_auth_event(self, event: dict) -> None:
         kind = event.get("kind")
@@ -402,14 +415,23 @@ class Server:
         elif kind == "api_key":
             await self._revalidate(self.connections.of_api_key(event["api_key_id"]))
         elif kind == "membership":
-            # The member's own connections, and every API key of the workspace (an
-            # agent's key ends with its owner's membership).
-            member_id = event["member_id"]
-            await self._revalidate([c for c in self._in_workspace(event["workspace_id"])
-                                    if c.principal.kind == "api_key"
-                                    or (c.push is not None and c.push.member_id == member_id)])
+            # Every session of the member's account (each is re-checked against the
+            # workspaces it acted in, or closed when the account has none left), and
+            # every API key of the workspace (an agent's key ends with its owner's
+            # membership).
+            workspace_id, member_id = event["workspace_id"], event["member_id"]
+            try:
+                account_id = (await self.db.run(tenancy.member_in_workspace, workspace_id, member_id))["account_id"]
+            except NotFound:
+                account_id = None
+            sessions = self.connections.sessions_of(account_id) if account_id is not None else []
+            await self._revalidate(sessions + [c for c in self._in_workspace(workspace_id)
+                                               if c.principal.kind == "api_key"])
         elif kind == "workspace":
-            await self._revalidate(self._in_workspace(event["workspace_id"]))
+            # Sessions that never named a workspace are closed if it was their only one.
+            await self._revalidate(self._in_workspace(event["workspace_id"]) + [
+                c for c in self.connections.all
+                if c.principal is not None and c.principal.kind == "account" and not c.session_workspaces()])
 
     async def _revalidate(self, connections: list[Connection]) -> None:
         """Close (4403) those whose credential, membership or workspace is no longer good."""
@@ -422,8 +444,13 @@ class Server:
                 await self.auth.revalidate(principal)
                 if principal.kind == "api_key":
                     await self.auth.workspace_context(principal, None, await self.edition())
-                elif connection.push is not None:
-                    await self.auth.workspace_context(principal, connection.push.workspace_id, await self.edition())
+                elif principal.kind == "account":
+                    acted_in = connection.session_workspaces()
+                    for workspace_id in acted_in:
+                        await self.auth.workspace_context(principal, workspace_id, await self.edition())
+                    if not acted_in and not any(w["status"] == "active" for w in await self.db.run(
+                            tenancy.list_workspaces, principal.account_id)):
+                        raise ProtocolError(ErrorCode.FORBIDDEN, "no active workspace membership left")
             except ProtocolError as exc:
                 if exc.code in (ErrorCode.UNAUTHENTICATED, ErrorCode.FORBIDDEN, ErrorCode.NOT_FOUND):
                     log.info("closing revoked connection", extra={"connection": connection.id, "why": exc.message})

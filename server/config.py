@@ -61,3 +61,7 @@ class ServerConfig:
     heartbeat_seconds: float = 30.0
     heartbeat_timeout_seconds: float = 20.0
     idle_timeout_seconds: float = 600.0
+    # Operability: /metrics on its own port (None: on the WebSocket port), and the
+    # duration past which a command is logged as slow, with its phases.
+    metrics_port: int | None = None
+    slow_command_ms: float = 500.0

@@ -13,7 +13,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from protocol import frames as f
-from protocol import results as r
+from protocol import results
 from protocol.errors import ErrorCode, ProtocolError
 from server import messaging, realtime
 from server import tenancy as ops
@@ -117,8 +117,8 @@ async def revoke_sessions(server: Server, connection: Connection, request: f.Rev
 # --- workspaces -------------------------------------------------------------------------------
 
 async def workspace_list(server: Server, connection: Connection, request: f.WorkspaceList,
-                         ctx: RequestContext) -> r.WorkspaceListResult:
-    return r.WorkspaceListResult([_workspace_info(row) for row in await ops.list_workspaces(server.db, ctx)])
+                         ctx: RequestContext) -> results.WorkspaceListResult:
+    return results.WorkspaceListResult([_workspace_info(row) for row in await ops.list_workspaces(server.db, ctx)])
 
 
 async def workspace_get(server: Server, connection: Connection, request: f.WorkspaceGet,
@@ -147,8 +147,8 @@ async def workspace_suspend(server: Server, connection: Connection, request: f.W
 # --- members ----------------------------------------------------------------------------------
 
 async def member_list(server: Server, connection: Connection, request: f.MemberList,
-                      ctx: RequestContext) -> r.MemberListResult:
-    return r.MemberListResult([_member_info(row) for row in await ops.list_members(server.db, ctx)])
+                      ctx: RequestContext) -> results.MemberListResult:
+    return results.MemberListResult([_member_info(row) for row in await ops.list_members(server.db, ctx)])
 
 
 async def member_set_role(server: Server, connection: Connection, request: f.MemberSetRole,
@@ -190,8 +190,8 @@ async def invitation_create(server: Server, connection: Connection, request: f.I
 
 
 async def invitation_list(server: Server, connection: Connection, request: f.InvitationList,
-                          ctx: RequestContext) -> r.InvitationListResult:
-    return r.InvitationListResult([f.InvitationInfo(id=row["id"], email=row["email"], role=row["role"],
+                          ctx: RequestContext) -> results.InvitationListResult:
+    return results.InvitationListResult([f.InvitationInfo(id=row["id"], email=row["email"], role=row["role"],
                                                     status=row["status"], expires_at=_epoch(row["expires_at"]))
                                    for row in await ops.list_invitations(server.db, ctx)])
 
@@ -214,8 +214,8 @@ async def apikey_create(server: Server, connection: Connection, request: f.ApiKe
 
 
 async def apikey_list(server: Server, connection: Connection, request: f.ApiKeyList,
-                      ctx: RequestContext) -> r.ApiKeyListResult:
-    return r.ApiKeyListResult([_key_info(row) for row in await ops.list_api_keys(server.db, ctx)])
+                      ctx: RequestContext) -> results.ApiKeyListResult:
+    return results.ApiKeyListResult([_key_info(row) for row in await ops.list_api_keys(server.db, ctx)])
 
 
 async def apikey_revoke(server: Server, connection: Connection, request: f.ApiKeyRevoke,
@@ -264,10 +264,10 @@ assert set(PUBLIC) | set(AUTHENTICATED) | set(IN_WORKSPACE) == set(f.CLIENT_FRAM
 async def dispatch(server: Server, connection: Connection, request: f.Request) -> Any:
     """The request's result, of exactly the type protocol.results.RESULTS names for its op."""
     result = await _route(server, connection, request)
-    if type(result) is not r.RESULTS[type(request)]:
+    if type(result) is not results.RESULTS[type(request)]:
         # A handler that strays from the published contract is a bug (answered `internal`).
         raise TypeError(f"{f.op_of(request)} returned {type(result).__name__}, "
-                        f"the contract says {r.RESULTS[type(request)].__name__}")
+                        f"the contract says {results.RESULTS[type(request)].__name__}")
     return result
 
 
@@ -287,4 +287,6 @@ async def _route(server: Server, connection: Connection, request: f.Request) -> 
                                                             request.workspace_id, await server.edition(),
                                                             getattr(request, "scope_id", None))
     ctx = RequestContext(request_id=request.id, principal=principal, workspace=workspace, scopes=scopes)
+    if principal.kind == "account":
+        connection.acted_in(workspace.workspace_id)
     return await IN_WORKSPACE[kind](server, connection, request, ctx)

@@ -20,7 +20,7 @@ from actors.fanout import CommittedEvent
 from actors.plan import ActorContext, ChannelProfile, CommittedMessage, MembershipMutation, MessageIntent, SourceRef
 from actors.routing_tokens import MentionMode
 from protocol import frames as f
-from protocol import results as r
+from protocol import results
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.reaction_keys import InvalidReactionKey, normalize_reaction_key
 from server.context import RequestContext, WorkspaceContext
@@ -193,10 +193,10 @@ async def channel_create(server: Server, connection: Connection, request: f.Chan
 
 
 async def channel_list(server: Server, connection: Connection, request: f.ChannelList,
-                       ctx: RequestContext) -> r.ChannelListResult:
+                       ctx: RequestContext) -> results.ChannelListResult:
     workspace = ctx.require(Permission.MESSAGE_READ)
     rows = await server.db.run(messages.channel_list, workspace.workspace_id, workspace.member_id)
-    return r.ChannelListResult([scope_info(row, row["is_member"]) for row in rows])
+    return results.ChannelListResult([scope_info(row, row["is_member"]) for row in rows])
 
 
 async def dm_open(server: Server, connection: Connection, request: f.DmOpen, ctx: RequestContext) -> f.ScopeInfo:
@@ -238,9 +238,9 @@ async def scope_get(server: Server, connection: Connection, request: f.ScopeGet,
 
 
 async def scope_members(server: Server, connection: Connection, request: f.ScopeMembers,
-                        ctx: RequestContext) -> r.ScopeMembersResult:
+                        ctx: RequestContext) -> results.ScopeMembersResult:
     _, row = await _scope(server, ctx, request.scope_id, Permission.MESSAGE_READ)
-    return r.ScopeMembersResult([
+    return results.ScopeMembersResult([
         f.ScopeMemberInfo(member_id=m["member_id"], handle=m["handle"], display_name=m["display_name"],
                           kind=m["kind"], visibility=m["visibility"], owner_member_id=m["owner_member_id"])
         for m in await server.db.run(visibility.scope_members, row["id"])])
@@ -480,24 +480,24 @@ async def message_get(server: Server, connection: Connection, request: f.Message
 # --- read state, notifications, inbox ------------------------------------------------------------------------
 
 async def read_mark(server: Server, connection: Connection, request: f.ReadMark,
-                    ctx: RequestContext) -> r.ReadStateResult:
+                    ctx: RequestContext) -> results.ReadStateResult:
     workspace, row = await _scope(server, ctx, request.scope_id, Permission.MESSAGE_READ)
     outcome = await _submit(server, row["id"], cmd.MarkRead(_actor(workspace), request.seq))
-    return r.ReadStateResult(last_read_seq=outcome["last_read_seq"])
+    return results.ReadStateResult(last_read_seq=outcome["last_read_seq"])
 
 
 async def read_mark_unread(server: Server, connection: Connection, request: f.ReadMarkUnread,
-                           ctx: RequestContext) -> r.ReadStateResult:
+                           ctx: RequestContext) -> results.ReadStateResult:
     workspace, row = await _scope(server, ctx, request.scope_id, Permission.MESSAGE_READ)
     outcome = await _submit(server, row["id"], cmd.MarkRead(_actor(workspace), request.from_seq, unread=True))
-    return r.ReadStateResult(last_read_seq=outcome["last_read_seq"])
+    return results.ReadStateResult(last_read_seq=outcome["last_read_seq"])
 
 
 async def notification_set(server: Server, connection: Connection, request: f.NotificationSet,
-                           ctx: RequestContext) -> r.NotificationStateResult:
+                           ctx: RequestContext) -> results.NotificationStateResult:
     workspace, row = await _scope(server, ctx, request.scope_id, Permission.MESSAGE_READ)
     outcome = await _submit(server, row["id"], cmd.SetNotification(_actor(workspace), request.state))
-    return r.NotificationStateResult(state=outcome["state"])
+    return results.NotificationStateResult(state=outcome["state"])
 
 
 async def inbox_list(server: Server, connection: Connection, request: f.InboxList, ctx: RequestContext) -> f.InboxPage:

@@ -34,6 +34,7 @@ import trio
 
 from actors.fanout import CommittedEvent
 from actors.plan import CommittedMessage
+from protocol import events
 from protocol import frames as f
 from protocol.codec import encode
 from protocol.errors import ErrorCode, ProtocolError
@@ -275,7 +276,9 @@ class PushState:
 
 
 def _event_frame(event: CommittedEvent) -> f.Event:
-    data = _message_data(event.data, event.event) if event.event.startswith("message.") else event.data
+    # Every payload goes through the contract's table (protocol/events.py).
+    data = (_message_data(event.data, event.event) if event.event in events.MESSAGE_EVENTS
+            else events.payload(event.event, event.data))
     return f.Event(event=event.event, workspace_id=event.workspace_id, scope_id=event.scope_id, data=data,
                    seq=event.seq, global_seq=event.global_seq)
 

@@ -26,7 +26,7 @@ import contextlib
 import errno
 import logging
 import socket
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
@@ -341,13 +341,20 @@ def refuse(sock: socket.socket) -> None:
     sock.close()
 
 
+PlainHttp = Callable[[str, str], Awaitable[bytes | None]]
+
+
 async def handshake(sock: socket.socket, *, deadline: float, choose_subprotocol: Callable[[list[str]], str | None],
-                    spawn: Callable[..., Any], max_message_bytes: int, close_grace: float) -> WebSocket | None:
+                    spawn: Callable[..., Any], max_message_bytes: int, close_grace: float,
+                    plain_http: PlainHttp | None = None) -> WebSocket | None:
     """Run the HTTP upgrade.  None (socket closed) when the client does not
-    complete a valid WebSocket handshake by `deadline`."""
+    complete a valid WebSocket handshake by `deadline`.  A request that is not
+    an upgrade is offered to `plain_http(method, target)`: the whole response
+    to send, or None for HTTP 400."""
     upgrade = H11Handshake(ConnectionType.SERVER)
     try:
-        return await _upgrade(sock, upgrade, deadline, choose_subprotocol, spawn, max_message_bytes, close_grace)
+        return await _upgrade(sock, upgrade, deadline, choose_subprotocol, spawn, max_message_bytes, close_grace,
+                              plain_http)
     except BaseException:  # e.g. cancelled at shutdown: do not leak the socket
         trio.lowlevel.notify_closing(sock)
         sock.close()
@@ -356,7 +363,8 @@ async def handshake(sock: socket.socket, *, deadline: float, choose_subprotocol:
 
 async def _upgrade(sock: socket.socket, upgrade: H11Handshake, deadline: float,
                    choose_subprotocol: Callable[[list[str]], str | None], spawn: Callable[..., Any],
-                   max_message_bytes: int, close_grace: float) -> WebSocket | None:
+                   max_message_bytes: int, close_grace: float, plain_http: PlainHttp | None) -> WebSocket | None:
+    head = b""  # the request so far, kept to read a plain request's first line
     with trio.move_on_at(deadline):
         while True:
             try:
@@ -368,13 +376,18 @@ async def _upgrade(sock: socket.socket, upgrade: H11Handshake, deadline: float,
                 break
             if not data:
                 break
+            if len(head) < RECV_BYTES:
+                head += data
             try:
                 upgrade.receive_data(data)
                 request = next((e for e in upgrade.events() if isinstance(e, Request)), None)
             except RemoteProtocolError as exc:
+                line = _request_line(head) if plain_http is not None else None
+                response = await plain_http(*line) if line is not None else None
                 hint = exc.event_hint if isinstance(exc.event_hint, RejectConnection) else RejectConnection()
                 with contextlib.suppress(OSError):
-                    await _send_all(sock, upgrade.send(hint))
+                    await _send_all(sock, response if response is not None else upgrade.send(hint))
+                    sock.shutdown(socket.SHUT_WR)
                 break
             if request is None:
                 continue
@@ -390,6 +403,14 @@ async def _upgrade(sock: socket.socket, upgrade: H11Handshake, deadline: float,
     trio.lowlevel.notify_closing(sock)
     sock.close()
     return None
+
+
+def _request_line(head: bytes) -> tuple[str, str] | None:
+    """(method, target) of an HTTP/1.x request head, or None."""
+    parts = head.split(b"\r\n", 1)[0].split(b" ")
+    if len(parts) != 3 or not parts[2].startswith(b"HTTP/1."):
+        return None
+    return parts[0].decode("ascii", "replace"), parts[1].decode("ascii", "replace")
 
 
 async def _send_all(sock: socket.socket, data: bytes) -> None:

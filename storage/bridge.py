@@ -206,28 +206,25 @@ class Database:
         self._submissions.append(job)
         self.units_in_flight += 1
         try:
-            return await self._await_job(job, meanwhile)
+            if not self._submit_wake_pending:
+                self._submit_wake_pending = True
+                self._loop.call_soon_threadsafe(self._drain_submissions)
+            if meanwhile is not None:
+                try:
+                    meanwhile()
+                except Exception:  # the job is already running: it must still be awaited
+                    log.exception("work overlapping a database unit failed")
+
+            def abort(_: Any) -> trio.lowlevel.Abort:
+                # Never abandon the job: wait until the loop side has really stopped it.
+                job.cancel_requested = True
+                assert self._loop is not None
+                self._loop.call_soon_threadsafe(self._cancel_on_loop, job)
+                return trio.lowlevel.Abort.FAILED
+
+            await trio.lowlevel.wait_task_rescheduled(abort)
         finally:
             self.units_in_flight -= 1
-
-    async def _await_job(self, job: _Job, meanwhile: Callable[[], None] | None) -> T:
-        if not self._submit_wake_pending:
-            self._submit_wake_pending = True
-            self._loop.call_soon_threadsafe(self._drain_submissions)
-        if meanwhile is not None:
-            try:
-                meanwhile()
-            except Exception:  # the job is already running: it must still be awaited
-                log.exception("work overlapping a database unit failed")
-
-        def abort(_: Any) -> trio.lowlevel.Abort:
-            # Never abandon the job: wait until the loop side has really stopped it.
-            job.cancel_requested = True
-            assert self._loop is not None
-            self._loop.call_soon_threadsafe(self._cancel_on_loop, job)
-            return trio.lowlevel.Abort.FAILED
-
-        await trio.lowlevel.wait_task_rescheduled(abort)
         assert job.result is not None
         if job.cancel_requested and isinstance(job.result, outcome.Error) and isinstance(
             job.result.error, asyncio.CancelledError

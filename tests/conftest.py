@@ -173,3 +173,69 @@ async def tenants(db: Database, member_password_hash: str) -> tuple[Tenant, Tena
         Tenant(second.workspace_id, Person("owner-b@example.com", MEMBER_PASSWORD, second.account_id,
                                            second.member_id)),
     )
+
+
+# --- conformance: every server frame any test receives keeps the published contract --------------
+
+import json  # noqa: E402
+
+import msgspec  # noqa: E402
+import trio_websocket  # noqa: E402
+
+from client import wire as client_wire  # noqa: E402
+from protocol import conformance  # noqa: E402
+
+
+@dataclass
+class ConformanceStats:
+    validated: int = 0
+    server_tests: int = 0
+
+
+CONFORMANCE = ConformanceStats()
+
+
+def _raw_frame(message: str | bytes) -> object:
+    try:
+        return msgspec.msgpack.decode(message) if isinstance(message, bytes) else json.loads(message)
+    except (ValueError, msgspec.DecodeError) as exc:
+        return f"undecodable frame: {exc}"
+
+
+@pytest.fixture(autouse=True)
+def server_frame_conformance(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Validates every frame the test receives — through the SDKs' decode path
+    (client/wire.py) and through raw trio-websocket clients — against its typed
+    Struct (protocol/conformance.py); the test fails on the first frame that
+    does not validate or has no typed entry."""
+    problems: list[str] = []
+
+    def check(frame: object) -> None:
+        CONFORMANCE.validated += 1
+        problem = conformance.problem(frame)
+        if problem is not None and len(problems) < 20:
+            problems.append(f"{problem}\n    frame: {str(frame)[:500]}")
+
+    raw_get_message = trio_websocket.WebSocketConnection.get_message
+
+    async def checked_get_message(self):  # the raw test clients' receive path
+        message = await raw_get_message(self)
+        check(_raw_frame(message))  # the trio SDK's frames are checked here and again in client/wire.py
+        return message
+
+    monkeypatch.setattr(trio_websocket.WebSocketConnection, "get_message", checked_get_message)
+    monkeypatch.setattr(client_wire, "frame_observers", [*client_wire.frame_observers, check])
+    if "app" in request.fixturenames:
+        CONFORMANCE.server_tests += 1
+    yield
+    if problems:
+        pytest.fail("server frames outside the protocol contract:\n  " + "\n  ".join(problems), pytrace=False)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    # A hook that silently stopped seeing frames would prove nothing.
+    if CONFORMANCE.server_tests and not CONFORMANCE.validated:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        print(f"\nconformance: {CONFORMANCE.server_tests} server tests ran but no server frame was validated")
+    elif CONFORMANCE.validated:
+        print(f"\nconformance: {CONFORMANCE.validated} server frames validated against the protocol contract")

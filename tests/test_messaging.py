@@ -77,7 +77,7 @@ async def test_private_scopes_answer_not_found_to_outsiders(app: App, team):
                            ("message.get", {"message_id": message["id"]}),
                            ("reaction.add", {"message_id": message["id"], "key": "👍"})):
             await expect_error("not_found", c.call(op, **fields, **ws))
-        assert [s["slug"] for s in await c.call("channel.list", **ws)] == []
+        assert [s["slug"] for s in (await c.call("channel.list", **ws))["channels"]] == []
 
 
 async def test_every_messaging_command_probed_across_workspaces_answers_not_found(app: App, team):
@@ -291,7 +291,7 @@ async def test_threads_and_private_agent_admission(app: App, team):
         assert thread_id != channel["id"] and reply["seq"] == 1
         # The private agent of the parent was admitted by the mention; the outsider was not.
         assert reply["metadata"]["mentions"] == [agent["id"]]
-        members = {m["member_id"]: m for m in await owner.call("scope.members", scope_id=thread_id, **ws)}
+        members = {m["member_id"]: m for m in (await owner.call("scope.members", scope_id=thread_id, **ws))["members"]}
         assert members[agent["id"]]["visibility"] == "private"
         assert members[agent["id"]]["owner_member_id"] == alpha.owner.member_id
         assert outsider_agent["id"] not in members

@@ -133,7 +133,7 @@ async def test_channel_create_with_members_is_one_transaction(app: App, tenants,
         assert await app.db.run(lambda c: c.fetchval("SELECT count(*) FROM scope_memberships")) == 0
         # The retry is not refused as slug_taken: nothing was left behind.
         channel = await open_channel(owner, alpha.workspace_id, "team", [bob.member_id])
-        members = await owner.call("scope.members", scope_id=channel["id"], **ws)
+        members = (await owner.call("scope.members", scope_id=channel["id"], **ws))["members"]
         assert sorted(m["member_id"] for m in members) == sorted([alpha.owner.member_id, bob.member_id])
 
 

@@ -110,3 +110,35 @@ async def test_the_revocation_watcher_survives_a_database_failure(app: App, tena
         await owner.call("apikey.revoke", api_key_id=key["id"], **ws)
         with trio.fail_after(15):
             assert await keyed.wait_closed() == frames.CLOSE_REVOKED
+
+
+async def test_removal_closes_every_session_that_acted_in_the_workspace_and_only_those(app: App, tenants,
+                                                                                      member_password_hash):
+    """A session that made any request in the workspace is closed, subscribed or
+    not; one that only acted in another workspace stays; a session that never
+    named a workspace closes once its account has no active workspace left."""
+    alpha, beta = tenants
+    bob = await add_person(app.db, alpha.workspace_id, "bob@example.com", "developer", member_password_hash)
+    async with await signed_in(app, alpha.owner) as owner, await signed_in(app, beta.owner) as beta_owner, \
+            await signed_in(app, bob) as acted, await signed_in(app, bob) as idle:
+        await acted.call("member.list", workspace_id=alpha.workspace_id)  # no subscription
+        # bob also joins beta: removal from alpha leaves him a workspace.
+        invite = await beta_owner.call("invitation.create", workspace_id=beta.workspace_id, email=bob.email,
+                                       role="developer")
+        async with connect(app.url) as joining:
+            await joining.login(bob.email, bob.password)
+            await joining.call("invitation.accept", token=invite["token"])
+        async with await signed_in(app, bob) as in_beta:
+            await in_beta.call("member.list", workspace_id=beta.workspace_id)
+            await owner.call("member.remove", member_id=bob.member_id, workspace_id=alpha.workspace_id)
+            with trio.fail_after(10):
+                assert await acted.wait_closed() == frames.CLOSE_REVOKED
+            assert (await in_beta.call("ping"))["protocol_version"] == frames.PROTOCOL_VERSION
+            assert (await idle.call("ping"))["protocol_version"] == frames.PROTOCOL_VERSION
+            # Removed from beta too: the idle session has no workspace left and closes.
+            beta_bob = next(w["member_id"] for w in await app.db.run(tenancy.list_workspaces, bob.account_id)
+                            if w["id"] == beta.workspace_id)
+            await beta_owner.call("member.remove", member_id=beta_bob, workspace_id=beta.workspace_id)
+            with trio.fail_after(10):
+                assert await idle.wait_closed() == frames.CLOSE_REVOKED
+                assert await in_beta.wait_closed() == frames.CLOSE_REVOKED

@@ -193,4 +193,4 @@ async def test_websocat_speaks_the_protocol(app: App, tenants):
     await process.wait()
     assert replies["1"]["data"]["protocol_version"] == 1
     assert replies["2"]["data"]["account_id"] == alpha.owner.account_id
-    assert {w["slug"] for w in replies["3"]["data"]} == {"alpha"}
+    assert {w["slug"] for w in replies["3"]["data"]["workspaces"]} == {"alpha"}

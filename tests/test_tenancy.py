@@ -198,7 +198,7 @@ async def test_admin_cannot_touch_the_owner_and_nobody_becomes_owner_by_role(app
         await expect_error("conflict", conn.call("member.remove", member_id=alpha.owner.member_id, **ws))
         # Transfer makes the admin owner and the old owner admin.
         await conn.call("owner.transfer", member_id=admin.member_id, **ws)
-        roles = {m["id"]: m["role"] for m in await conn.call("member.list", **ws)}
+        roles = {m["id"]: m["role"] for m in (await conn.call("member.list", **ws))["members"]}
         assert roles[admin.member_id] == "owner" and roles[alpha.owner.member_id] == "admin"
 
 
@@ -334,7 +334,7 @@ async def test_invitation_rules(app: App, tenants, member_password_hash):
         first = await owner.call("invitation.create", email="Carol@Example.com", role="viewer", **ws)
         resent = await owner.call("invitation.create", email="carol@example.com", role="operator", **ws)
         assert first["token"] != resent["token"] and resent["email"] == "carol@example.com"
-        statuses = {i["id"]: i["status"] for i in await owner.call("invitation.list", **ws)}
+        statuses = {i["id"]: i["status"] for i in (await owner.call("invitation.list", **ws))["invitations"]}
         assert statuses == {first["id"]: "revoked", resent["id"]: "pending"}
         revoked = await owner.call("invitation.create", email="dave@example.com", **ws)
         await owner.call("invitation.revoke", invitation_id=revoked["id"], **ws)
@@ -348,7 +348,7 @@ async def test_invitation_rules(app: App, tenants, member_password_hash):
         accepted = await conn.call("invitation.accept", token=resent["token"], password="carol-password")
         assert [w["role"] for w in accepted["workspaces"]] == ["operator"]
         # The connection is now signed in as Carol.
-        assert len(await conn.call("member.list", **ws)) == 2
+        assert len((await conn.call("member.list", **ws))["members"]) == 2
     # An existing account accepts a second workspace's invitation from its own session.
     async with await signed_in(app, beta.owner) as owner_b:
         to_carol = await owner_b.call("invitation.create", workspace_id=beta.workspace_id, email="carol@example.com")
@@ -379,7 +379,7 @@ async def test_workspace_selection_semantics(app: App, tenants):
         await expect_error("not_found", conn.call("member.list", workspace_id="not-an-id"))
         created = await conn.call("workspace.create", name="Gamma", slug="gamma")
         assert created["role"] == "owner"
-        assert {w["slug"] for w in await conn.call("workspace.list")} == {"alpha", "gamma"}
+        assert {w["slug"] for w in (await conn.call("workspace.list"))["workspaces"]} == {"alpha", "gamma"}
 
 
 async def test_every_command_probed_across_workspaces_answers_not_found(app: App, tenants, member_password_hash):
@@ -423,7 +423,7 @@ async def test_every_command_probed_across_workspaces_answers_not_found(app: App
     async with connect(app.url) as conn:
         await conn.auth(api_key=a_key["key"])
         await expect_error("not_found", conn.call("member.list", workspace_id=beta.workspace_id))
-        assert len(await conn.call("member.list")) >= 1  # its own workspace needs no selector
+        assert len((await conn.call("member.list"))["members"]) >= 1  # its own workspace needs no selector
     # Nothing in Beta changed.
     rows = await app.db.run(lambda c: c.fetch(
         "SELECT m.role, m.status FROM workspace_memberships m WHERE m.workspace_id = $1 ORDER BY m.id",

@@ -1,0 +1,170 @@
+"""Prometheus metrics (prometheus-client), one registry per Server.
+
+The hot paths never call into prometheus-client: the fanout hub, the outbox
+worker, the bridge and the connection caps keep plain integers, and a custom
+collector reads them when /metrics is scraped.  Per command (far rarer than
+deliveries) there is one dict increment and one histogram observation; per
+committed actor batch, two observations.  Figures that need the database
+(the outbox backlog) are fetched, with a short timeout, just before a scrape.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import trio
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from protocol import frames
+from storage import health
+
+if TYPE_CHECKING:
+    from server.app import Server
+
+log = logging.getLogger("scopewire.metrics")
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+AUTH_OPS = frozenset({"login", "auth", "invitation.accept"})
+UNKNOWN_OP = "unknown"  # the frame did not decode to a known op (label values stay bounded)
+DATABASE_FIGURES_TIMEOUT = 2.0
+
+COMMAND_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+COMMIT_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.commands: defaultdict[tuple[str, str], int] = defaultdict(int)  # (op, outcome) -> count
+        self.auth_failures: defaultdict[str, int] = defaultdict(int)  # error code -> count
+        self.slow_consumer_closes = 0
+        self.slow_commands = 0
+        self.command_seconds = Histogram(
+            "scopewire_command_duration_seconds", "Time from a command's arrival to its reply being written",
+            ["op"], buckets=COMMAND_SECONDS_BUCKETS, registry=self.registry)
+        self._command_seconds_by_op: dict[str, Any] = {}
+        self.batch_size = Histogram(
+            "scopewire_actor_batch_size", "Commands committed together by a scope actor (group commit)",
+            buckets=BATCH_SIZE_BUCKETS, registry=self.registry)
+        self.commit_seconds = Histogram(
+            "scopewire_actor_commit_duration_seconds", "A scope actor's batch transaction, submit to commit",
+            buckets=COMMIT_SECONDS_BUCKETS, registry=self.registry)
+        self.outbox_undelivered: int | None = None  # refreshed before each scrape; None: unknown
+        self.outbox_due: int | None = None
+
+    def bind(self, server: Server) -> None:
+        self.registry.register(_ServerCollector(server, self))
+
+    # --- called from the serving paths -------------------------------------------------------
+
+    def command_answered(self, op: str | None, reply: Any, seconds: float) -> None:
+        op = op if op in frames.KNOWN_OPS else UNKNOWN_OP
+        outcome = reply.code if isinstance(reply, frames.Error) else "ok"
+        self.commands[(op, outcome)] += 1
+        if outcome != "ok" and op in AUTH_OPS:
+            self.auth_failures[outcome] += 1
+        child = self._command_seconds_by_op.get(op)
+        if child is None:
+            child = self._command_seconds_by_op[op] = self.command_seconds.labels(op)
+        child.observe(seconds)
+
+    def batch_committed(self, size: int, seconds: float) -> None:
+        self.batch_size.observe(size)
+        self.commit_seconds.observe(seconds)
+
+    # --- scraping ------------------------------------------------------------------------
+
+    async def refresh(self, server: Server) -> None:
+        """Fetch the figures that live in the database; on failure they read as unknown."""
+        self.outbox_undelivered = self.outbox_due = None
+        with trio.move_on_after(DATABASE_FIGURES_TIMEOUT):
+            try:
+                self.outbox_undelivered, self.outbox_due = await server.db.run(health.outbox_backlog)
+            except Exception as exc:  # noqa: BLE001 - a scrape during an outage still answers
+                log.info("metrics: outbox backlog unavailable", extra={"error": f"{type(exc).__name__}: {exc}"})
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def _gauge(name: str, documentation: str, value: float | None, labels: list[str] | None = None,
+           samples: list[tuple[list[str], float]] | None = None) -> Iterator[Metric]:
+    family = GaugeMetricFamily(name, documentation, value=None if labels else value, labels=labels)
+    for label_values, sample in samples or ():
+        family.add_metric(label_values, sample)
+    if value is not None or labels:
+        yield family
+
+
+class _ServerCollector(Collector):
+    """Reads the server's plain counters at scrape time."""
+
+    def __init__(self, server: Server, metrics: ServerMetrics) -> None:
+        self.server = server
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        server, metrics = self.server, self.metrics
+        admission = server.admission
+        upgraded = len(server.connections.all)
+        authenticated = admission.total - admission.unauthenticated
+        yield from _gauge("scopewire_connections", "Live client connections by state", None, ["state"], [
+            (["handshaking"], max(admission.total - upgraded, 0)),
+            (["unauthenticated"], max(upgraded - authenticated, 0)),
+            (["authenticated"], authenticated)])
+
+        commands = CounterMetricFamily("scopewire_commands", "Commands answered, by op and outcome (ok or the "
+                                       "error code)", labels=["op", "outcome"])
+        for (op, outcome), count in list(metrics.commands.items()):
+            commands.add_metric([op, outcome], count)
+        yield commands
+        failures = CounterMetricFamily("scopewire_auth_failures", "Failed login, auth and invitation.accept "
+                                       "commands, by error code", labels=["code"])
+        for code, count in list(metrics.auth_failures.items()):
+            failures.add_metric([code], count)
+        yield failures
+        yield CounterMetricFamily("scopewire_slow_commands", "Commands slower than --slow-command-ms (each logged)",
+                                  value=metrics.slow_commands)
+
+        registry = server.registry
+        depths = registry.mailbox_depths() if registry is not None else []
+        yield from _gauge("scopewire_actors_active", "Scope actors running", len(depths))
+        yield from _gauge("scopewire_actor_mailbox_depth", "Commands waiting in scope actor mailboxes, in all",
+                          sum(depths))
+        yield from _gauge("scopewire_actor_mailbox_depth_max", "Commands waiting in the fullest actor mailbox",
+                          max(depths, default=0))
+
+        hub = server.hub
+        yield CounterMetricFamily("scopewire_fanout_events", "Committed events published to the fanout hub",
+                                  value=hub.published)
+        yield CounterMetricFamily("scopewire_fanout_deliveries", "Live event frames handed to subscribed "
+                                  "connections", value=hub.delivered)
+        yield CounterMetricFamily("scopewire_fanout_bytes", "Bytes of live event frames handed to subscribed "
+                                  "connections", value=hub.delivered_bytes)
+        yield CounterMetricFamily("scopewire_slow_consumer_closes", "Connections closed with 4408 slow_consumer",
+                                  value=metrics.slow_consumer_closes)
+
+        outbox = server.outbox
+        if outbox is not None:
+            yield CounterMetricFamily("scopewire_outbox_replayed", "Outbox rows delivered by the outbox worker",
+                                      value=outbox.replayed)
+            yield CounterMetricFamily("scopewire_outbox_retries", "Outbox deliveries that failed and were "
+                                      "scheduled again", value=outbox.failed_attempts)
+        yield from _gauge("scopewire_outbox_backlog", "Undelivered outbox rows (absent when the database "
+                          "could not be asked)", metrics.outbox_undelivered)
+        yield from _gauge("scopewire_outbox_due", "Undelivered outbox rows due for the worker now",
+                          metrics.outbox_due)
+
+        db = server.db
+        yield from _gauge("scopewire_bridge_queue_depth", "Database units of work handed to the bridge and "
+                          "not yet completed", db.units_in_flight)
+        pool = db.pool_figures()
+        yield from _gauge("scopewire_db_pool_connections", "Database pool connections by state", None, ["state"], [
+            (["in_use"], max(pool["open"] - pool["idle"], 0)), (["idle"], pool["idle"])])
+        yield from _gauge("scopewire_db_pool_max", "Database pool size limit", pool["max"])
