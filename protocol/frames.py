@@ -16,6 +16,9 @@ from typing import Annotated, Any, Literal, Union
 import msgspec
 
 PROTOCOL_VERSION = 1
+# Requested in the WebSocket handshake: binary MessagePack frames instead of JSON text.
+MSGPACK_SUBPROTOCOL = "scopewire.msgpack"
+JSON_SUBPROTOCOL = "scopewire.json"  # the default: offering none means JSON too
 
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
 Id = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
@@ -387,6 +390,8 @@ class Envelope(msgspec.Struct):
 # --- server → client -------------------------------------------------------------------
 
 class Result(msgspec.Struct, tag_field="type", tag="result"):
+    """The reply to a request: `data` has the type protocol/results.py RESULTS names for `op`."""
+
     id: str
     op: str
     data: Any
@@ -400,10 +405,9 @@ class Error(msgspec.Struct, tag_field="type", tag="error", omit_defaults=True):
 
 
 class Event(msgspec.Struct, tag_field="type", tag="event", omit_defaults=True):
-    """A push: `event` names it (message.created, message.edited,
-    message.withdrawn, reaction.added, reaction.removed, membership.changed,
-    read_state.changed, scope.archived).  `seq` / `global_seq` are the cursors
-    to resume from (message events only)."""
+    """A push: `event` names it and protocol/events.py EVENTS gives the type of
+    its `data`.  `seq` / `global_seq` are the cursors to resume from (message
+    events only)."""
 
     event: str
     workspace_id: str

@@ -112,7 +112,8 @@ RESULTS: dict[type[f.Request], type[msgspec.Struct]] = {
 }
 assert set(RESULTS) == set(f.CLIENT_FRAMES), "every op needs exactly one result type"
 
-RESULTS_BY_OP: dict[str, type[msgspec.Struct]] = {kind.__struct_config__.tag: result for kind, result in RESULTS.items()}
+RESULTS_BY_OP: dict[str, type[msgspec.Struct]] = {
+    kind.__struct_config__.tag: result for kind, result in RESULTS.items()}
 
 
 def _result_frame(op: str, data: type[msgspec.Struct]) -> type[f.Result]:

@@ -29,13 +29,14 @@ from protocol.codec import decode_request, encode, error_frame
 from protocol.errors import ErrorCode, ProtocolError
 from actors.fanout import FanoutHub
 from actors.outbox_worker import OutboxWorker
-from actors.registry import ScopeRegistry
-from server import handlers, messaging
+from actors.registry import ScopeRegistry, actor_seconds
+from server import handlers, http, logs, messaging
 from server.limits import ConnectionAdmission, KeyedRateLimiter, TokenBucket, warn_if_descriptors_short
 from server import transport
 from server.auth import Authenticator
 from server.config import ServerConfig
 from server.context import Principal
+from server.metrics import ServerMetrics
 from server.realtime import PushState
 from server.transport import ConnectionClosed, WebSocket
 from server.wire import server_frame
@@ -49,6 +50,10 @@ log = logging.getLogger("scopewire.server")
 # Retries of a revocation check that failed on the database (a resync), doubling.
 RESYNC_BACKOFF_FIRST = 0.5
 RESYNC_BACKOFF_MAX = 10.0
+
+# Concurrent connections to --metrics-port, and how long one may take to send its request.
+PROBE_MAX_CONNECTIONS = 16
+PROBE_REQUEST_SECONDS = 5.0
 
 MSGPACK_SUBPROTOCOL = "scopewire.msgpack"
 JSON_SUBPROTOCOL = "scopewire.json"
@@ -154,12 +159,20 @@ class Server:
     spawn: Callable[..., Any] | None = None
     _edition: str | None = None
     admission: ConnectionAdmission = field(init=False)
+    metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    accepting: bool = False  # listeners up and not shutting down (/readyz)
+    metrics_port: int | None = None  # bound --metrics-port, when configured
+    # The --metrics-port listener has its own small caps: a scraper never competes with clients.
+    probe_admission: ConnectionAdmission = field(default_factory=lambda: ConnectionAdmission(
+        max_connections=PROBE_MAX_CONNECTIONS, max_unauthenticated=PROBE_MAX_CONNECTIONS,
+        max_unauthenticated_per_address=PROBE_MAX_CONNECTIONS))
 
     def __post_init__(self) -> None:
         self.admission = ConnectionAdmission(
             max_connections=self.config.max_connections,
             max_unauthenticated=self.config.max_unauthenticated_connections,
             max_unauthenticated_per_address=self.config.max_unauthenticated_per_address)
+        self.metrics.bind(self)
 
     async def edition(self) -> str | None:
         if self._edition is None:
@@ -174,7 +187,8 @@ class Server:
             self.outbox = OutboxWorker(self.db, self.hub)
             outbox = self.outbox
             self.registry = ScopeRegistry(self.db, self.hub, actors_nursery, idle_seconds=self.config.actor_idle_seconds,
-                                          outbox_wake=lambda: outbox.wake.set())
+                                          outbox_wake=lambda: outbox.wake.set(),
+                                          on_commit=self.metrics.batch_committed)
             await actors_nursery.start(self.outbox.run)
             await actors_nursery.start(messaging.sweep_departed_members, self)
             # Cancelling run() must not reach the connection tasks at once: they
@@ -193,6 +207,7 @@ class Server:
             # Connection tasks, and the short-lived flush and replay tasks of connections.
             self.spawn = handlers_nursery.start_soon
             listeners: list[trio.SocketListener] = []
+            probe_listeners: list[trio.SocketListener] = []
             try:
                 async with trio.open_nursery() as background:
                     await background.start(self._watch_revocations)
@@ -202,11 +217,20 @@ class Server:
                     for listener in listeners:
                         background.start_soon(transport.accept_loop, listener, self._handle, handlers_nursery)
                     self.port = listeners[0].socket.getsockname()[1]
+                    if self.config.metrics_port is not None:
+                        probe_listeners = await trio.open_tcp_listeners(self.config.metrics_port,
+                                                                        host=self.config.host)
+                        for listener in probe_listeners:
+                            background.start_soon(transport.accept_loop, listener, self._handle_probe,
+                                                  handlers_nursery)
+                        self.metrics_port = probe_listeners[0].socket.getsockname()[1]
+                    self.accepting = True
                     task_status.started(self.port)
                     await stop.wait()
                     background.cancel_scope.cancel()
             finally:
-                for listener in listeners:  # stop accepting: new clients are refused, not left in the backlog
+                self.accepting = False
+                for listener in listeners + probe_listeners:  # stop accepting: new clients are refused
                     await listener.aclose()
                 # Each closing handshake is bounded by the grace (see _close_many); this bounds them all.
                 with trio.move_on_after(self.config.shutdown_grace_seconds + 1):
@@ -230,13 +254,15 @@ class Server:
             auth_deadline = trio.current_time() + self.config.auth_timeout_seconds
             ws = await transport.handshake(sock, deadline=auth_deadline, choose_subprotocol=self._choose_subprotocol,
                                            spawn=self.spawn, max_message_bytes=self.config.max_frame_bytes,
-                                           close_grace=self.config.shutdown_grace_seconds)
+                                           close_grace=self.config.shutdown_grace_seconds,
+                                           plain_http=self._plain_http)
             if ws is None:
                 return
             ws.binary = ws.subprotocol == MSGPACK_SUBPROTOCOL
             connection = Connection(ws=ws, address=address,
                                     command_bucket=TokenBucket(self.config.commands_per_second,
                                                                self.config.command_burst))
+            logs.connection_id.set(connection.id)  # on every log line of this task and the tasks it starts
             self.connections.add(connection)
             try:
                 await self._serve_connection(connection, auth_deadline)
@@ -251,6 +277,28 @@ class Server:
                 ws.abort()
         finally:
             self.admission.release(address, authenticated=connection is not None and connection.principal is not None)
+
+    async def _plain_http(self, method: str, target: str) -> bytes | None:
+        return await http.answer(self, method, target, metrics_here=self.config.metrics_port is None)
+
+    async def _probe_http(self, method: str, target: str) -> bytes | None:
+        return await http.answer(self, method, target, metrics_here=True)
+
+    async def _handle_probe(self, sock) -> None:
+        """A connection to --metrics-port: plain HTTP only."""
+        address = transport.peer_address(sock)
+        if not self.probe_admission.admit(address):
+            transport.refuse(sock)
+            return
+        try:
+            ws = await transport.handshake(sock, deadline=trio.current_time() + PROBE_REQUEST_SECONDS,
+                                           choose_subprotocol=lambda offered: None, spawn=self.spawn,
+                                           max_message_bytes=self.config.max_frame_bytes, close_grace=0,
+                                           plain_http=self._probe_http)
+            if ws is not None:  # a WebSocket upgrade: not served on this port
+                ws.abort()
+        finally:
+            self.probe_admission.release(address, authenticated=False)
 
     async def _serve_connection(self, connection: Connection, auth_deadline: float) -> None:
         ws = connection.ws
@@ -277,9 +325,11 @@ class Server:
             else:
                 connection.answering = True
                 try:
-                    await connection.send(await self._answer(connection, raw))
+                    await self._answer_and_reply(connection, raw)
                 finally:
                     connection.answering = False
+                    logs.request_id.set(None)
+                    logs.request_op.set(None)
             if connection.closing:
                 ws.close_soon(frames.CLOSE_REVOKED, "sessions revoked")
             if ws.closing:
@@ -302,11 +352,37 @@ class Server:
             request_id = exc.details.get("id")
         return error_frame(ProtocolError(ErrorCode.RATE_LIMITED, "too many commands; slow down"), request_id)
 
-    async def _answer(self, connection: Connection, raw: str | bytes) -> Any:
+    async def _answer_and_reply(self, connection: Connection, raw: str | bytes) -> None:
+        """Answer one command and write the reply; count it, and log it with its
+        phases when it took longer than slow_command_ms."""
+        actor_seconds.set(0.0)
+        marks = [time.perf_counter()]
+        reply = await self._answer(connection, raw, marks)
+        marks.append(time.perf_counter())
+        await connection.send(reply)
+        done = time.perf_counter()
+        duration = done - marks[0]
+        self.metrics.command_answered(logs.request_op.get(), reply, duration)
+        if duration * 1000 > self.config.slow_command_ms:
+            self.metrics.slow_commands += 1
+            decoded = marks[1] if len(marks) == 3 else marks[0]
+            actor = actor_seconds.get()
+            phases = {"decode": decoded - marks[0], "handler": max(marks[-1] - decoded - actor, 0.0),
+                      "actor": actor, "reply": done - marks[-1]}
+            log.warning("slow command", extra={
+                "duration_ms": round(duration * 1000, 1), "slowest_phase": max(phases, key=phases.__getitem__),
+                "phases_ms": {name: round(seconds * 1000, 1) for name, seconds in phases.items()},
+                "outcome": reply.code if isinstance(reply, frames.Error) else "ok"})
+
+    async def _answer(self, connection: Connection, raw: str | bytes, marks: list[float] | None = None) -> Any:
         request_id: str | None = None
         try:
             request = decode_request(raw, binary=connection.binary)
             request_id = request.id
+            logs.request_id.set(request_id)
+            logs.request_op.set(frames.op_of(request))
+            if marks is not None:
+                marks.append(time.perf_counter())
             data = await handlers.dispatch(self, connection, request)
             return frames.Result(id=request.id, op=frames.op_of(request), data=data)
         except ProtocolError as exc:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import trio
 
-from server import logs
+from server import logs, status
 from protocol.errors import ErrorCode, ProtocolError
 from server import tenancy as ops
 from server.app import Server
@@ -99,6 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
             ("--push-buffer-events", "PUSH_BUFFER_EVENTS", "1024", "live events held behind a replay before cut-off"),
             ("--push-timeout", "PUSH_TIMEOUT", "10", "seconds a replay write may block before cut-off")):
         serve.add_argument(flag, type=float, default=float(_env(env, default)), help=f"{text} (default: %(default)s)")
+    serve.add_argument("--metrics-port", type=int, default=_env("METRICS_PORT"),
+                       help="serve /metrics (and /healthz, /readyz) on this port instead of the WebSocket port, "
+                            "where /metrics then answers 404 (SCOPEWIRE_METRICS_PORT)")
+    serve.add_argument("--slow-command-ms", type=float, default=float(_env("SLOW_COMMAND_MS", "500")),
+                       help="log a command slower than this, with its phases (default: %(default)s)")
     serve.add_argument("--session-key-file", type=Path, default=_env("SESSION_KEY_FILE"),
                        help="Ed25519 key that signs session tokens (default: DATA_DIR/session-signing-key.pem); "
                             "every server on one database must share it")
@@ -110,6 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_admin_commands(commands)
 
+    status = commands.add_parser("status", help="one screen of a live server's figures, from its /metrics")
+    status.add_argument("--url", default=_env("STATUS_URL", "http://127.0.0.1:8765"),
+                        help="the server's HTTP address: its WebSocket port, or --metrics-port (default: %(default)s)")
+    status.add_argument("--interval", type=float, default=1.0, help="seconds between the two scrapes (rates)")
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+
     db = commands.add_parser("db", help="database helpers")
     db_commands = db.add_subparsers(dest="db_command", required=True)
     _add_database_flags(db_commands.add_parser("url", help="print how to connect with psql"))
@@ -118,7 +129,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logs.configure(args.log_level)
+    logs.configure(getattr(args, "log_level", "warning"))
+    if args.command == "status":
+        try:
+            return status.main(args.url, args.interval, args.json)
+        except status.StatusError as exc:
+            print(f"scopewire: {exc}", file=sys.stderr)
+            return 1
     try:
         if args.command == "serve":
             return _serve(args)
@@ -151,7 +168,9 @@ def server_config_from(args: argparse.Namespace) -> ServerConfig:
                         max_connections=int(args.max_connections),
                         max_unauthenticated_connections=int(args.max_unauthenticated),
                         max_unauthenticated_per_address=int(args.max_unauthenticated_per_address),
-                        shutdown_grace_seconds=args.shutdown_grace)
+                        shutdown_grace_seconds=args.shutdown_grace,
+                        metrics_port=int(args.metrics_port) if args.metrics_port is not None else None,
+                        slow_command_ms=args.slow_command_ms)
 
 
 class ListenError(Exception):
@@ -236,7 +255,7 @@ async def _serve_async(target, config: DatabaseConfig, server_config: ServerConf
                 host = sockets[0].getsockname()[0]
                 host = f"[{host}]" if ":" in host else host
                 print(f"scopewire ready on ws://{host}:{port}", flush=True)
-                log.info("ready", extra={"host": host, "port": port})
+                log.info("ready", extra={"host": host, "port": port, "metrics_port": server.metrics_port})
                 async for signum in signals:
                     log.info("shutting down", extra={"signal": signal.Signals(signum).name})
                     break

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("scopewire.http")
 
-READINESS_TIMEOUT = 2.0  # a database slower than this to answer `SELECT` counts as unreachable
+READINESS_TIMEOUT = 2.0  # a database slower than this to answer counts as unreachable
 _REASONS = {200: "OK", 404: "Not Found", 503: "Service Unavailable"}
 
 

@@ -24,7 +24,6 @@ from protocol import results
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.reaction_keys import InvalidReactionKey, normalize_reaction_key
 from server.context import RequestContext, WorkspaceContext
-from server.limits import KeyedRateLimiter, TokenBucket  # noqa: F401 - re-exported
 from server.rbac import Permission
 from storage import applier, messages, tenancy, visibility
 from storage.errors import StorageError

@@ -153,6 +153,8 @@ class PushState:
         client that does not finish the closing handshake in time is dropped.
         Either way it resumes from its cursors."""
         log.info("cutting off slow consumer", extra={"connection": self.connection.id, "why": reason})
+        if not self.connection.ws.closing:  # counted once per connection
+            self.server.metrics.slow_consumer_closes += 1
         self.stop()
         self.connection.ws.close_soon(f.CLOSE_SLOW_CONSUMER, reason)
 

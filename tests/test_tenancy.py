@@ -442,9 +442,15 @@ async def test_suspended_workspace_and_removed_member_are_forbidden(app: App, te
         await conn.call("member.list", **ws)
         async with await signed_in(app, alpha.owner) as owner:
             await owner.call("member.remove", member_id=viewer.member_id, **ws)
+        with trio.fail_after(10):  # the live session ends with the membership
+            assert await conn.wait_closed() == frames.CLOSE_REVOKED
+    async with await signed_in(app, viewer) as conn:  # the account lives on, without the workspace
         await expect_error("forbidden", conn.call("member.list", **ws))
     async with await signed_in(app, alpha.owner) as owner:
         await owner.call("workspace.suspend", **ws)
+        with trio.fail_after(10):
+            assert await owner.wait_closed() == frames.CLOSE_REVOKED
+    async with await signed_in(app, alpha.owner) as owner:
         await expect_error("forbidden", owner.call("member.list", **ws))
 
 
