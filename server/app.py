@@ -162,6 +162,7 @@ class Server:
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     accepting: bool = False  # listeners up and not shutting down (/readyz)
     metrics_port: int | None = None  # bound --metrics-port, when configured
+    http_in_flight: int = 0  # plain HTTP requests (probes, scrapes) being answered on the WebSocket port
     # The --metrics-port listener has its own small caps: a scraper never competes with clients.
     probe_admission: ConnectionAdmission = field(default_factory=lambda: ConnectionAdmission(
         max_connections=PROBE_MAX_CONNECTIONS, max_unauthenticated=PROBE_MAX_CONNECTIONS,
@@ -279,7 +280,11 @@ class Server:
             self.admission.release(address, authenticated=connection is not None and connection.principal is not None)
 
     async def _plain_http(self, method: str, target: str) -> bytes | None:
-        return await http.answer(self, method, target, metrics_here=self.config.metrics_port is None)
+        self.http_in_flight += 1
+        try:
+            return await http.answer(self, method, target, metrics_here=self.config.metrics_port is None)
+        finally:
+            self.http_in_flight -= 1
 
     async def _probe_http(self, method: str, target: str) -> bytes | None:
         return await http.answer(self, method, target, metrics_here=True)
@@ -322,6 +327,7 @@ class Server:
             connection.last_inbound = trio.current_time()
             if not connection.command_bucket.take():
                 await connection.send(self._rate_limited(raw, connection.binary))
+                self.metrics.command_refused(ErrorCode.RATE_LIMITED.value)
             else:
                 connection.answering = True
                 try:

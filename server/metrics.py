@@ -77,6 +77,10 @@ class ServerMetrics:
             child = self._command_seconds_by_op[op] = self.command_seconds.labels(op)
         child.observe(seconds)
 
+    def command_refused(self, outcome: str) -> None:
+        """A command refused before it was decoded (the per-connection rate limit)."""
+        self.commands[(UNKNOWN_OP, outcome)] += 1
+
     def batch_committed(self, size: int, seconds: float) -> None:
         self.batch_size.observe(size)
         self.commit_seconds.observe(seconds)
@@ -119,7 +123,8 @@ class _ServerCollector(Collector):
         upgraded = len(server.connections.all)
         authenticated = admission.total - admission.unauthenticated
         yield from _gauge("scopewire_connections", "Live client connections by state", None, ["state"], [
-            (["handshaking"], max(admission.total - upgraded, 0)),
+            (["handshaking"], max(admission.total - upgraded - server.http_in_flight, 0)),
+            (["http"], server.http_in_flight),
             (["unauthenticated"], max(upgraded - authenticated, 0)),
             (["authenticated"], authenticated)])
 

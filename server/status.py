@@ -58,7 +58,7 @@ def figures(first: dict, second: dict, seconds: float) -> dict:
 
     return {
         "connections": {state: number("scopewire_connections", state=state)
-                        for state in ("authenticated", "unauthenticated", "handshaking")},
+                        for state in ("authenticated", "unauthenticated", "handshaking", "http")},
         "active_actors": number("scopewire_actors_active"),
         "sends_per_second": round(max(sends(second) - sends(first), 0.0) / seconds, 1),
         "deliveries_per_second": rate("scopewire_fanout_deliveries_total"),
@@ -90,7 +90,7 @@ def render(url: str, data: dict) -> str:
     return "\n".join([
         f"scopewire at {url}",
         f"  connections       {show(c['authenticated'])} authenticated, {show(c['unauthenticated'])} "
-        f"unauthenticated, {show(c['handshaking'])} handshaking",
+        f"unauthenticated, {show(c['handshaking'])} handshaking, {show(c['http'])} plain HTTP",
         f"  active actors     {show(data['active_actors'])} (mailboxes: {show(data['actor_mailbox_depth'])} waiting)",
         f"  sends/s           {show(data['sends_per_second'])}",
         f"  deliveries/s      {show(data['deliveries_per_second'])}",

@@ -178,6 +178,7 @@ async def tenants(db: Database, member_password_hash: str) -> tuple[Tenant, Tena
 # --- conformance: every server frame any test receives keeps the published contract --------------
 
 import json  # noqa: E402
+import sys  # noqa: E402
 
 import msgspec  # noqa: E402
 import trio_websocket  # noqa: E402
@@ -202,10 +203,19 @@ def _raw_frame(message: str | bytes) -> object:
         return f"undecodable frame: {exc}"
 
 
+def _checked(next_message, check):
+    async def checked_next_message(self):
+        message = await next_message(self)
+        check(message)
+        return message
+
+    return checked_next_message
+
+
 @pytest.fixture(autouse=True)
 def server_frame_conformance(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Validates every frame the test receives — through the SDKs' decode path
-    (client/wire.py) and through raw trio-websocket clients — against its typed
+    (client/wire.py), raw trio-websocket clients and the wsproto RawClient — against its typed
     Struct (protocol/conformance.py); the test fails on the first frame that
     does not validate or has no typed entry."""
     problems: list[str] = []
@@ -224,6 +234,9 @@ def server_frame_conformance(request: pytest.FixtureRequest, monkeypatch: pytest
         return message
 
     monkeypatch.setattr(trio_websocket.WebSocketConnection, "get_message", checked_get_message)
+    # The wsproto RawClient, under each name its module was imported as (pytest's and `tests.`).
+    for module in {sys.modules.get("test_transport"), sys.modules.get("tests.test_transport")} - {None}:
+        monkeypatch.setattr(module.RawClient, "next_message", _checked(module.RawClient.next_message, check))
     monkeypatch.setattr(client_wire, "frame_observers", [*client_wire.frame_observers, check])
     if "app" in request.fixturenames:
         CONFORMANCE.server_tests += 1

@@ -113,6 +113,9 @@ async def test_metrics_move_when_commands_run(app: App, tenants):
             await owner.next_event()  # the five pushes reached this subscriber
         during = await scrape(port)
     assert value(during, "scopewire_connections", state="authenticated") == 1
+    # The scrape itself is a plain HTTP request on the WebSocket port, not a handshake.
+    assert value(during, "scopewire_connections", state="http") == 1
+    assert value(during, "scopewire_connections", state="handshaking") == 0
     assert value(during, "scopewire_commands_total", op="message.send", outcome="ok") == 5
     assert value(during, "scopewire_commands_total", op="login", outcome="ok") == 1
     assert value(during, "scopewire_commands_total", op="login", outcome="unauthenticated") == 1
@@ -352,3 +355,15 @@ async def test_scope_actors_do_not_inherit_the_connection_that_started_them(app:
         assert all(t.context.get(logs.connection_id) for t in connections)  # the variable is set per connection
         assert [t.context.get(logs.connection_id) for t in actors] == [None] * len(actors)
         assert [t.context.get(logs.request_id) for t in actors] == [None] * len(actors)
+
+
+@pytest.mark.parametrize("server_config", [{"commands_per_second": 0.001, "command_burst": 1}], indirect=True)
+async def test_commands_refused_by_the_rate_limit_are_counted(app: App):
+    async with connect(app.url) as conn:
+        await conn.call("ping")
+        with pytest.raises(ClientError) as refused:
+            await conn.call("ping")
+    assert refused.value.code == "rate_limited"
+    figures = await scrape(app.server.port)
+    assert value(figures, "scopewire_commands_total", op="ping", outcome="ok") == 1
+    assert value(figures, "scopewire_commands_total", op="unknown", outcome="rate_limited") == 1
