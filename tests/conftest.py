@@ -203,13 +203,13 @@ def _raw_frame(message: str | bytes) -> object:
         return f"undecodable frame: {exc}"
 
 
-def _checked(next_message, check):
-    async def checked_next_message(self):
-        message = await next_message(self)
+def _checked(parse, check):
+    def checked_parse(event):
+        message = parse(event)
         check(message)
         return message
 
-    return checked_next_message
+    return staticmethod(checked_parse)
 
 
 @pytest.fixture(autouse=True)
@@ -236,7 +236,7 @@ def server_frame_conformance(request: pytest.FixtureRequest, monkeypatch: pytest
     monkeypatch.setattr(trio_websocket.WebSocketConnection, "get_message", checked_get_message)
     # The wsproto RawClient, under each name its module was imported as (pytest's and `tests.`).
     for module in {sys.modules.get("test_transport"), sys.modules.get("tests.test_transport")} - {None}:
-        monkeypatch.setattr(module.RawClient, "next_message", _checked(module.RawClient.next_message, check))
+        monkeypatch.setattr(module.RawClient, "parse", _checked(module.RawClient.parse, check))
     monkeypatch.setattr(client_wire, "frame_observers", [*client_wire.frame_observers, check])
     if "app" in request.fixturenames:
         CONFORMANCE.server_tests += 1

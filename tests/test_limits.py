@@ -3,7 +3,6 @@ ephemeral signals (typing, presence) that are never stored."""
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 import pytest
@@ -19,8 +18,8 @@ from server.auth import Authenticator
 from server.config import ServerConfig
 from server.credentials import SessionSigner
 from storage.bridge import Database, PoolSettings
-from storage.errors import DatabaseUnavailable
 from tests.conftest import App, add_person
+from tests.db_faults import hold_table_lock, release_locks, wait_for_query
 from tests.test_messaging import open_channel
 from tests.test_realtime import events_for
 from tests.test_tenancy import expect_error, signed_in
@@ -226,21 +225,10 @@ async def test_a_slow_command_is_not_mistaken_for_a_dead_peer(db, nursery, tenan
     blocked = "wait_event_type = 'Lock' AND query LIKE '%FROM accounts%'"
     async with connect(app.url) as conn, Database(database_dsn, PoolSettings(min_size=1, max_size=2)) as admin, \
             trio.open_nursery() as tasks:
-        async def hold_lock(c):
-            await c.execute("LOCK TABLE accounts IN ACCESS EXCLUSIVE MODE")
-            await c.execute("SELECT pg_sleep(60)")
+        async def real_sleep(seconds: float) -> None:  # the mock clock stands still
+            await trio.to_thread.run_sync(time.sleep, seconds)
 
-        async def lock_holder():
-            with contextlib.suppress(DatabaseUnavailable):
-                await admin.transaction(hold_lock)
-
-        tasks.start_soon(lock_holder)
-
-        async def wait_for_query(condition: str) -> None:
-            while not await admin.run(lambda c: c.fetchval(f"SELECT count(*) FROM pg_stat_activity WHERE {condition}")):
-                await trio.to_thread.run_sync(time.sleep, 0.05)  # real time (the mock clock stands still)
-
-        await wait_for_query("query = 'SELECT pg_sleep(60)'")  # the lock is held
+        await hold_table_lock(admin, tasks, "accounts", sleep=real_sleep)
         result, done = {}, trio.Event()
 
         async def log_in():
@@ -248,13 +236,12 @@ async def test_a_slow_command_is_not_mistaken_for_a_dead_peer(db, nursery, tenan
             done.set()
 
         tasks.start_soon(log_in)
-        await wait_for_query(blocked)  # the login waits in the database
+        await wait_for_query(admin, blocked, sleep=real_sleep)  # the login waits in the database
         mock_clock.jump(1.0)  # a heartbeat: ping
         await trio.testing.wait_all_tasks_blocked()
         mock_clock.jump(1.5)  # past the pong deadline, the login still running
         await trio.testing.wait_all_tasks_blocked()
-        await admin.run(lambda c: c.execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE query LIKE 'SELECT pg_sleep(60)%'"))
+        await release_locks(admin)
         mock_clock.rate = 1.0
         with trio.fail_after(20):
             await done.wait()

@@ -3,7 +3,6 @@ loss or duplicates, entitlement, slow consumers."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import socket
@@ -18,8 +17,8 @@ from client import connect
 from protocol import frames
 from server.config import ServerConfig
 from storage.bridge import Database, PoolSettings
-from storage.errors import DatabaseUnavailable
 from tests.conftest import App, add_person
+from tests.db_faults import hold_table_lock, release_locks, terminate, wait_for_query
 from tests.test_messaging import open_channel
 from tests.test_transport import RawClient
 from tests.test_tenancy import expect_error, signed_in
@@ -305,29 +304,13 @@ async def test_a_database_failure_during_a_replay_closes_unavailable_not_slow_co
     # then kill that query's connection: the replay fails with DatabaseUnavailable.
     async with Database(database_dsn, PoolSettings(min_size=1, max_size=2)) as admin, \
             trio.open_nursery() as nursery:
-        async def hold_lock(conn):
-            await conn.execute("LOCK TABLE scope_messages IN ACCESS EXCLUSIVE MODE")
-            await conn.execute("SELECT pg_sleep(60)")
-
-        async def lock_holder():
-            with contextlib.suppress(DatabaseUnavailable):
-                await admin.transaction(hold_lock)
-
-        async def wait_for_query(condition: str) -> None:
-            with trio.fail_after(15):
-                while not await admin.run(lambda c: c.fetchval(
-                        f"SELECT count(*) FROM pg_stat_activity WHERE {condition}")):
-                    await trio.sleep(0.05)  # waiting for a precondition inside the database
-
-        nursery.start_soon(lock_holder)
-        await wait_for_query("query = 'SELECT pg_sleep(60)'")  # the lock is held
+        await hold_table_lock(admin, nursery, "scope_messages")
         async with await signed_in(app, alpha.owner) as resuming:
             await resuming.call("subscribe", scopes=[{"scope_id": channel["id"], "after_seq": 0}], **ws)
-            await wait_for_query(replay_query)  # the replay waits in the database
-            await admin.run(lambda c: c.execute(
-                f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE {replay_query}"))
+            with trio.fail_after(15):
+                await wait_for_query(admin, replay_query)  # the replay waits in the database
+            await terminate(admin, replay_query)
             with trio.fail_after(15):
                 assert await resuming.wait_closed() == frames.CLOSE_UNAVAILABLE
             assert resuming.ws.closed.reason == "unavailable"
-        await admin.run(lambda c: c.execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE query LIKE 'SELECT pg_sleep(60)%'"))
+        await release_locks(admin)

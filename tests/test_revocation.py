@@ -4,7 +4,6 @@ could close them.  And the watcher outlives a database failure."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 
 import pytest
@@ -15,8 +14,8 @@ from protocol import frames
 from server.config import ServerConfig
 from storage import tenancy
 from storage.bridge import Database, PoolSettings
-from storage.errors import DatabaseUnavailable
 from tests.conftest import App, add_person
+from tests.db_faults import hold_table_lock, release_locks, terminate, wait_for_query
 from tests.test_messaging import open_channel
 from tests.test_tenancy import expect_error, signed_in
 
@@ -83,28 +82,13 @@ async def test_the_revocation_watcher_survives_a_database_failure(app: App, tena
 
         # The watcher's check of the key waits on a lock, then its database
         # connection dies under it: DatabaseUnavailable inside the watcher.
-        async def hold_lock(conn):
-            await conn.execute("LOCK TABLE api_keys IN ACCESS EXCLUSIVE MODE")
-            await conn.execute("SELECT pg_sleep(60)")
-
-        async def lock_holder():
-            with contextlib.suppress(DatabaseUnavailable):
-                await admin.transaction(hold_lock)
-
-        async def wait_for_query(condition: str) -> None:
-            with trio.fail_after(15):
-                while not await admin.run(lambda c: c.fetchval(
-                        f"SELECT count(*) FROM pg_stat_activity WHERE {condition}")):
-                    await trio.sleep(0.05)  # waiting for a precondition inside the database
-
-        nursery.start_soon(lock_holder)
-        await wait_for_query("query = 'SELECT pg_sleep(60)'")  # the lock is held
+        await hold_table_lock(admin, nursery, "api_keys")
         await admin.run(lambda c: c.execute("SELECT pg_notify($1, $2)", tenancy.AUTH_CHANNEL,
                                             json.dumps({"kind": "api_key", "api_key_id": key["id"]})))
-        await wait_for_query(blocked)  # the watcher's check waits in the database
-        await admin.run(lambda c: c.execute(
-            f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE {blocked} "
-            "OR query LIKE 'SELECT pg_sleep(60)%'"))
+        with trio.fail_after(15):
+            await wait_for_query(admin, blocked)  # the watcher's check waits in the database
+        await terminate(admin, blocked)
+        await release_locks(admin)
         # The server lives on, and revocation still works.
         assert (await owner.call("ping"))["protocol_version"] == frames.PROTOCOL_VERSION
         await owner.call("apikey.revoke", api_key_id=key["id"], **ws)

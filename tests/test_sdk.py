@@ -14,6 +14,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from client import connect
 from client.resuming import ResumingClient
+from protocol import conformance
 from server.app import Server
 from server.auth import Authenticator
 from server.credentials import SessionSigner
@@ -191,6 +192,7 @@ async def test_websocat_speaks_the_protocol(app: App, tenants):
                 replies.update((r["id"], r) for r in map(json.loads, lines) if r.get("id"))
     process.kill()
     await process.wait()
+    assert [conformance.problem(reply) for reply in replies.values()] == [None] * len(replies)
     assert replies["1"]["data"]["protocol_version"] == 1
     assert replies["2"]["data"]["account_id"] == alpha.owner.account_id
     assert {w["slug"] for w in replies["3"]["data"]["workspaces"]} == {"alpha"}

@@ -58,10 +58,14 @@ class RawClient:
                 self.pending.extend(self.ws.events())
         return self.pending.pop(0)
 
-    async def next_message(self) -> dict:
-        event = await self.next_event()
+    @staticmethod
+    def parse(event) -> dict:
+        """The one place raw clients decode a server frame (the conformance fixture checks it)."""
         assert isinstance(event, TextMessage) and event.message_finished, event
         return json.loads(event.data)
+
+    async def next_message(self) -> dict:
+        return self.parse(await self.next_event())
 
 
 async def assert_still_serving(app: App) -> None:
@@ -211,7 +215,7 @@ async def _segmented(dsn: str, plan: list, cuts: list[int]) -> None:
             if isinstance(event, Pong):
                 pongs += 1
             else:
-                replies.append(json.loads(event.data)["id"])
+                replies.append(client.parse(event)["id"])
         assert replies == [str(n) for n in range(len(plan))]
         await client.stream.aclose()
         nursery.cancel_scope.cancel()
@@ -235,7 +239,7 @@ async def test_a_client_that_pings_without_reading_cannot_grow_server_memory(app
         pongs = 0
         while isinstance(event := await client.next_event(), Pong):
             pongs += 1
-    assert json.loads(event.data)["id"] == "after"
+    assert client.parse(event)["id"] == "after"
     # What the kernel buffers hold is a few MB at most: far fewer pongs than pings.
     assert pongs < pings // 2
     await client.stream.aclose()
