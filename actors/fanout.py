@@ -58,7 +58,8 @@ class FanoutHub:
         self._by_scope: dict[str, set[Subscription]] = defaultdict(set)
         self._by_workspace: dict[str, set[Subscription]] = defaultdict(set)
         self.published = 0
-        # Frames handed to subscribers' sinks, and their bytes (plain ints: read at scrape time).
+        # Frames handed to subscribers (here, and by their replays), and their bytes
+        # (plain ints: read at scrape time).
         self.delivered = 0
         self.delivered_bytes = 0
 

@@ -534,7 +534,9 @@ class Server:
                             tenancy.list_workspaces, principal.account_id)):
                         raise ProtocolError(ErrorCode.FORBIDDEN, "no active workspace membership left")
             except ProtocolError as exc:
-                if exc.code in (ErrorCode.UNAUTHENTICATED, ErrorCode.FORBIDDEN, ErrorCode.NOT_FOUND):
+                # `closing` may have been set meanwhile: that connection closes after its reply.
+                if exc.code in (ErrorCode.UNAUTHENTICATED, ErrorCode.FORBIDDEN,
+                                ErrorCode.NOT_FOUND) and not connection.closing:
                     log.info("closing revoked connection", extra={"connection": connection.id, "why": exc.message})
                     revoked.append((connection, exc.message[:120]))
         await self._close_many(revoked)

@@ -152,10 +152,10 @@ class _ServerCollector(Collector):
         hub = server.hub
         yield CounterMetricFamily("scopewire_fanout_events", "Committed events published to the fanout hub",
                                   value=hub.published)
-        yield CounterMetricFamily("scopewire_fanout_deliveries", "Live event frames handed to subscribed "
-                                  "connections", value=hub.delivered)
-        yield CounterMetricFamily("scopewire_fanout_bytes", "Bytes of live event frames handed to subscribed "
-                                  "connections", value=hub.delivered_bytes)
+        yield CounterMetricFamily("scopewire_fanout_deliveries", "Event frames handed to subscribed connections, "
+                                  "live or replayed from the log", value=hub.delivered)
+        yield CounterMetricFamily("scopewire_fanout_bytes", "Bytes of event frames handed to subscribed "
+                                  "connections, live or replayed", value=hub.delivered_bytes)
         yield CounterMetricFamily("scopewire_slow_consumer_closes", "Connections closed with 4408 slow_consumer",
                                   value=metrics.slow_consumer_closes)
 

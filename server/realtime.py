@@ -200,6 +200,9 @@ class PushState:
     async def _write(self, frame: bytes) -> None:
         with trio.fail_after(self.server.config.push_timeout_seconds):
             await self.connection.ws.send(frame)
+        hub = self.server.hub  # a replayed delivery counts like a live one
+        hub.delivered += 1
+        hub.delivered_bytes += len(frame)
 
     async def _replay_event(self, event: CommittedEvent) -> None:
         if event.event != MESSAGE_CREATED or event.seq is None:
