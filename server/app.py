@@ -70,6 +70,8 @@ class Connection:
     session_expires_at: float | None = None
     closing: bool = False  # set by a handler: close (4403) after this reply
     answering: bool = False  # a command is being answered (the socket is not read meanwhile)
+    # A revocation arrived while a command was answered: checked again after its reply.
+    recheck_after_reply: bool = False
     push: PushState | None = None
     last_inbound: float = field(default_factory=trio.current_time)
     command_bucket: TokenBucket | None = None
@@ -338,6 +340,14 @@ class Server:
                     logs.request_op.set(None)
             if connection.closing:
                 ws.close_soon(frames.CLOSE_REVOKED, "sessions revoked")
+            elif connection.recheck_after_reply:
+                connection.recheck_after_reply = False
+                try:
+                    reason = await self._revocation_reason(connection)
+                except DatabaseUnavailable:
+                    reason = None  # the watcher revalidates every connection once it is back
+                if reason is not None:
+                    ws.close_soon(frames.CLOSE_REVOKED, reason)
             if ws.closing:
                 await self._drain_until_closed(ws)
                 return
@@ -516,30 +526,42 @@ class Server:
                 if c.principal is not None and c.principal.kind == "account" and not c.session_workspaces()])
 
     async def _revalidate(self, connections: list[Connection]) -> None:
-        """Close (4403) those whose credential, membership or workspace is no longer good."""
+        """Close (4403) those whose credential, membership or workspace is no longer
+        good.  One answering a command is checked again right after its reply, so
+        the command that revoked (say, a suspension) still gets its answer."""
         revoked: list[tuple[Connection, str]] = []
         for connection in connections:
-            principal = connection.principal
-            if principal is None or connection.closing or connection.ws.closing:
+            if connection.answering:
+                connection.recheck_after_reply = True
                 continue
-            try:
-                await self.auth.revalidate(principal)
-                if principal.kind == "api_key":
-                    await self.auth.workspace_context(principal, None, await self.edition())
-                elif principal.kind == "account":
-                    acted_in = connection.session_workspaces()
-                    for workspace_id in acted_in:
-                        await self.auth.workspace_context(principal, workspace_id, await self.edition())
-                    if not acted_in and not any(w["status"] == "active" for w in await self.db.run(
-                            tenancy.list_workspaces, principal.account_id)):
-                        raise ProtocolError(ErrorCode.FORBIDDEN, "no active workspace membership left")
-            except ProtocolError as exc:
-                # `closing` may have been set meanwhile: that connection closes after its reply.
-                if exc.code in (ErrorCode.UNAUTHENTICATED, ErrorCode.FORBIDDEN,
-                                ErrorCode.NOT_FOUND) and not connection.closing:
-                    log.info("closing revoked connection", extra={"connection": connection.id, "why": exc.message})
-                    revoked.append((connection, exc.message[:120]))
+            reason = await self._revocation_reason(connection)
+            if reason is not None and not connection.answering:
+                revoked.append((connection, reason))
+            elif reason is not None:
+                connection.recheck_after_reply = True
         await self._close_many(revoked)
+
+    async def _revocation_reason(self, connection: Connection) -> str | None:
+        """Why the connection must close, or None while what admitted it still holds."""
+        principal = connection.principal
+        if principal is None or connection.closing or connection.ws.closing:
+            return None
+        try:
+            await self.auth.revalidate(principal)
+            if principal.kind == "api_key":
+                await self.auth.workspace_context(principal, None, await self.edition())
+            elif principal.kind == "account":
+                acted_in = connection.session_workspaces()
+                for workspace_id in acted_in:
+                    await self.auth.workspace_context(principal, workspace_id, await self.edition())
+                if not acted_in and not any(w["status"] == "active" for w in await self.db.run(
+                        tenancy.list_workspaces, principal.account_id)):
+                    raise ProtocolError(ErrorCode.FORBIDDEN, "no active workspace membership left")
+        except ProtocolError as exc:
+            if exc.code in (ErrorCode.UNAUTHENTICATED, ErrorCode.FORBIDDEN, ErrorCode.NOT_FOUND):
+                log.info("closing revoked connection", extra={"connection": connection.id, "why": exc.message})
+                return exc.message[:120]
+        return None
 
     async def _close_expired(self) -> None:
         now = time.time()

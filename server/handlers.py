@@ -109,15 +109,8 @@ async def accept_invitation(server: Server, connection: Connection, request: f.I
 
 async def revoke_sessions(server: Server, connection: Connection, request: f.RevokeSessions,
                           ctx: RequestContext) -> f.Ok:
-    # This connection's token is revoked too: it replies, then closes.  Marked
-    # before the commit, so the revocation watcher (woken by the commit's NOTIFY)
-    # leaves it alone and cannot close it ahead of the reply.
-    connection.closing = True
-    try:
-        await ops.revoke_sessions(server.db, ctx)
-    except BaseException:
-        connection.closing = False
-        raise
+    await ops.revoke_sessions(server.db, ctx)
+    connection.closing = True  # this connection's token is revoked too: reply, then close
     return f.Ok()
 
 
