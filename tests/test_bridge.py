@@ -22,6 +22,17 @@ async def _one(conn):
     return await conn.fetchval("SELECT 1")
 
 
+async def _recovers(database: Database, *, attempts: int) -> None:
+    """Connections broken by a restart fail at most once each, typed; then it works."""
+    outcomes = []
+    for _ in range(attempts):
+        try:
+            outcomes.append(await database.run(_one))
+        except DatabaseUnavailable:
+            outcomes.append("unavailable")
+    assert outcomes[-4:] == [1, 1, 1, 1]
+
+
 async def test_units_of_work_run_concurrently_and_return_values(db: Database):
     results = []
 
@@ -154,14 +165,7 @@ async def test_survives_a_postgres_restart():
             with pytest.raises(DatabaseUnavailable):
                 await database.run(_one)
             cluster.start()
-            # Connections broken by the restart fail at most once each, typed; then it works.
-            outcomes = []
-            for _ in range(8):
-                try:
-                    outcomes.append(await database.run(_one))
-                except DatabaseUnavailable:
-                    outcomes.append("unavailable")
-            assert outcomes[-4:] == [1, 1, 1, 1]
+            await _recovers(database, attempts=8)
     finally:
         cluster.stop()
         shutil.rmtree(data_dir, ignore_errors=True)
@@ -229,13 +233,7 @@ async def test_postmaster_killed_under_load_fails_every_unit_typed_and_the_pool_
             assert failures and all(isinstance(f, DatabaseUnavailable) for f in failures), failures
 
             await trio.to_thread.run_sync(cluster.restart_after_crash)
-            outcomes = []
-            for _ in range(12):
-                try:
-                    outcomes.append(await database.run(_one))
-                except DatabaseUnavailable:
-                    outcomes.append("unavailable")
-            assert outcomes[-4:] == [1, 1, 1, 1]
+            await _recovers(database, attempts=12)
     finally:
         cluster.stop()
         shutil.rmtree(data_dir, ignore_errors=True)
