@@ -9,7 +9,7 @@ import hashlib
 import msgspec
 
 from actors import policy
-from actors.plan import (
+from domain.plan import (
     ActorContext,
     DeliveryPolicy,
     Explain,

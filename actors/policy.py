@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from actors.plan import ActorContext, MentionCandidate, ScopeContext
+from domain.plan import ActorContext, MentionCandidate, ScopeContext
 
 AUDIENCE_TOKENS = frozenset({"all", "here"})
 

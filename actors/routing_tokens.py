@@ -16,17 +16,11 @@ import re
 from bisect import bisect_right
 from collections.abc import Iterator
 from dataclasses import dataclass
-from enum import Enum
+
+from domain.plan import MentionMode  # noqa: F401 - re-exported: the parser's modes
 
 MAX_ROUTING_TOKENS = 50   # hard limit of distinct live tokens per message
 MAX_HANDLE_LENGTH = 64    # the server's handle rule: [a-z0-9][a-z0-9_.-]{0,63}
-
-
-class MentionMode(str, Enum):
-    NORMAL = "normal"
-    SINGLE_FORWARD = "single_forward"
-    MULTI_FORWARD = "multi_forward"          # forwarding many messages must not re-notify anyone
-    EXPLICIT_CONTEXT = "explicit_context"    # recipients are given explicitly, not parsed
 
 
 @dataclass(frozen=True)

@@ -22,13 +22,13 @@ import time
 from functools import partial
 from dataclasses import dataclass, field
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import asyncpg
 import trio
 
 from actors.fanout import CommittedEvent, FanoutHub
-from actors.plan import (
+from domain.plan import (
     ActorContext,
     ChannelProfile,
     CommittedMessage,
@@ -101,6 +101,8 @@ class Reply:
 class Command:
     actor: ActorContext
     reply: Reply = field(default_factory=Reply, init=False)
+    # Refused unless the acting member is in the scope's roster.
+    requires_membership: ClassVar[bool] = True
 
 
 @dataclass
@@ -117,6 +119,7 @@ class CreateScope(Command):
     identity_key: str | None = None
     parent_scope_id: str | None = None
     root_message_id: str | None = None
+    requires_membership: ClassVar[bool] = False
 
 
 @dataclass
@@ -126,6 +129,7 @@ class Send(Command):
 
 @dataclass
 class ChangeMembers(Command):
+    requires_membership: ClassVar[bool] = False  # decided per action
     action: str  # join | join_thread | invite | leave | remove | reopen_dm
     member_ids: tuple[str, ...]
 
@@ -136,6 +140,7 @@ class CloseDeparted(Command):
     the workspace (removed or disabled); the others' are left alone."""
 
     member_ids: tuple[str, ...]
+    requires_membership: ClassVar[bool] = False
 
 
 @dataclass
@@ -170,7 +175,7 @@ class SetNotification(Command):
 
 @dataclass
 class Archive(Command):
-    pass
+    requires_membership: ClassVar[bool] = False  # the handler checked ownership or resource.manage
 
 
 @dataclass
@@ -189,9 +194,16 @@ class _Publication:
 
 
 @dataclass
-class _Outcome:
+class Outcome:
+    """What a command produced: its reply value and the events to publish after commit."""
+
     value: Any = None
     events: list[CommittedEvent] = field(default_factory=list)
+    # A domain command changed private authority (grants, collaborators) here.
+    authority_changed: bool = False
+
+
+_Outcome = Outcome
 
 
 class ScopeActor:
@@ -209,6 +221,8 @@ class ScopeActor:
         self.state: ScopeContext | None = None
         self.stopped = False
         self._roster_dirty = False
+        # Private authority (grants, collaborators) changed here: reloaded after commit.
+        self._authority_dirty = False
         self._roster_set: frozenset[str] = frozenset()
         # Messages delivered inline whose outbox rows are not marked yet: the mark
         # rides in the next batch's transaction, or goes alone when the mailbox is empty.
@@ -501,57 +515,76 @@ class ScopeActor:
                 outcomes[index] = Conflict("idempotency_conflict", "same client_message_id, different payload")
 
     async def _apply_other(self, conn: asyncpg.Connection, state: ScopeContext, command: Command) -> _Outcome:
-        actor = command.actor
-        if isinstance(command, CreateScope):
-            raise Conflict("scope_exists", "the scope exists")
-        if isinstance(command, ChangeMembers):
-            return await self._change_members(conn, state, command)
-        if isinstance(command, CloseDeparted):
-            return await self._close_departed(conn, state, command)
-        if actor.member_id not in state.roster and not isinstance(command, Archive):
+        handler = _DISPATCH.get(type(command))
+        if handler is None:
+            domain = DOMAIN_COMMANDS.get(type(command))
+            if domain is None:
+                raise AssertionError(f"no handler for {type(command).__name__}")
+            outcome = await domain(self, conn, state, command)
+            if outcome.authority_changed:
+                # Grants and collaborators are message-attention eligibility: the
+                # roster generation moves (thread actors below re-read theirs).
+                await applier.bump_roster_generation(conn, state.scope_id)
+                self._authority_dirty = True
+            return outcome
+        if command.requires_membership and command.actor.member_id not in state.roster:
             raise Refused("forbidden", "not a member of this scope", "not_a_member")
-        if isinstance(command, Edit):
-            row = await applier.edit_message(conn, state.scope_id, command.message_id, actor.member_id,
-                                             command.content, command.expected_revision, actor.execution_generation)
-            if row["author_member_id"] != actor.member_id:
-                raise Refused("forbidden", "only the author edits a message", "not_author")
-            return _Outcome(row)
-        if isinstance(command, Withdraw):
-            row = await applier.withdraw_message(conn, state.scope_id, command.message_id, actor.member_id,
-                                                 actor.execution_generation)
-            if row["author_member_id"] != actor.member_id:
-                raise Refused("forbidden", "only the author withdraws a message", "not_author")
-            return _Outcome(row)
-        if isinstance(command, React):
-            changed = await applier.set_reaction(conn, state.workspace_id, state.scope_id, command.message_id,
-                                                 actor.member_id, command.key, command.add)
-            event = CommittedEvent("reaction.added" if command.add else "reaction.removed", state.workspace_id,
-                                   state.scope_id, None, None,
-                                   {"message_id": command.message_id, "key": command.key, "member_id": actor.member_id})
-            return _Outcome({"changed": changed}, [event] if changed else [])
-        if isinstance(command, MarkRead):
-            if command.unread:
-                value = await applier.mark_unread(conn, state.workspace_id, state.scope_id, actor.member_id,
-                                                  command.seq)
-            else:
-                value = await applier.mark_read(conn, state.scope_id, actor.member_id, command.seq)
-            event = CommittedEvent("read_state.changed", state.workspace_id, state.scope_id, None, None,
-                                   {"member_id": actor.member_id, "last_read_seq": value, "manual_unread": command.unread},
-                                   audience=frozenset({actor.member_id}))
-            return _Outcome({"last_read_seq": value}, [event])
-        if isinstance(command, SetNotification):
-            await applier.set_notification_state(conn, state.workspace_id, state.scope_id, actor.member_id,
-                                                 command.state)
-            await applier.apply_membership_mutations(conn, state.workspace_id, state.scope_id, [], state.latest_seq)
-            return _Outcome({"state": command.state}, [CommittedEvent(
-                "inbox.changed", state.workspace_id, state.scope_id, None, None,
-                {"member_id": actor.member_id, "notification_state": command.state},
-                audience=frozenset({actor.member_id}))])
-        if isinstance(command, Archive):
-            await applier.archive_scope(conn, state.scope_id)
-            return _Outcome({"status": "archived"}, [CommittedEvent("scope.archived", state.workspace_id,
-                                                                    state.scope_id, None, None, {})])
-        raise AssertionError(type(command))
+        return await handler(self, conn, state, command)
+
+    async def _refuse_create(self, conn: asyncpg.Connection, state: ScopeContext, command: CreateScope) -> _Outcome:
+        raise Conflict("scope_exists", "the scope exists")
+
+    async def _edit(self, conn: asyncpg.Connection, state: ScopeContext, command: Edit) -> _Outcome:
+        actor = command.actor
+        row = await applier.edit_message(conn, state.scope_id, command.message_id, actor.member_id,
+                                         command.content, command.expected_revision, actor.execution_generation)
+        if row["author_member_id"] != actor.member_id:
+            raise Refused("forbidden", "only the author edits a message", "not_author")
+        return _Outcome(row)
+
+    async def _withdraw(self, conn: asyncpg.Connection, state: ScopeContext, command: Withdraw) -> _Outcome:
+        actor = command.actor
+        row = await applier.withdraw_message(conn, state.scope_id, command.message_id, actor.member_id,
+                                             actor.execution_generation)
+        if row["author_member_id"] != actor.member_id:
+            raise Refused("forbidden", "only the author withdraws a message", "not_author")
+        return _Outcome(row)
+
+    async def _react(self, conn: asyncpg.Connection, state: ScopeContext, command: React) -> _Outcome:
+        actor = command.actor
+        changed = await applier.set_reaction(conn, state.workspace_id, state.scope_id, command.message_id,
+                                             actor.member_id, command.key, command.add)
+        event = CommittedEvent("reaction.added" if command.add else "reaction.removed", state.workspace_id,
+                               state.scope_id, None, None,
+                               {"message_id": command.message_id, "key": command.key, "member_id": actor.member_id})
+        return _Outcome({"changed": changed}, [event] if changed else [])
+
+    async def _mark_read(self, conn: asyncpg.Connection, state: ScopeContext, command: MarkRead) -> _Outcome:
+        actor = command.actor
+        if command.unread:
+            value = await applier.mark_unread(conn, state.workspace_id, state.scope_id, actor.member_id, command.seq)
+        else:
+            value = await applier.mark_read(conn, state.scope_id, actor.member_id, command.seq)
+        event = CommittedEvent("read_state.changed", state.workspace_id, state.scope_id, None, None,
+                               {"member_id": actor.member_id, "last_read_seq": value, "manual_unread": command.unread},
+                               audience=frozenset({actor.member_id}))
+        return _Outcome({"last_read_seq": value}, [event])
+
+    async def _set_notification(self, conn: asyncpg.Connection, state: ScopeContext,
+                                command: SetNotification) -> _Outcome:
+        actor = command.actor
+        await applier.set_notification_state(conn, state.workspace_id, state.scope_id, actor.member_id,
+                                             command.state)
+        await applier.apply_membership_mutations(conn, state.workspace_id, state.scope_id, [], state.latest_seq)
+        return _Outcome({"state": command.state}, [CommittedEvent(
+            "inbox.changed", state.workspace_id, state.scope_id, None, None,
+            {"member_id": actor.member_id, "notification_state": command.state},
+            audience=frozenset({actor.member_id}))])
+
+    async def _archive(self, conn: asyncpg.Connection, state: ScopeContext, command: Archive) -> _Outcome:
+        await applier.archive_scope(conn, state.scope_id)
+        return _Outcome({"status": "archived"}, [CommittedEvent("scope.archived", state.workspace_id,
+                                                                state.scope_id, None, None, {})])
 
     async def _change_members(self, conn: asyncpg.Connection, state: ScopeContext, command: ChangeMembers) -> _Outcome:
         actor = command.actor
@@ -613,6 +646,33 @@ class ScopeActor:
             CommittedEvent("membership.changed", state.workspace_id, state.scope_id, None, None,
                            {"member_id": m, "action": "close", "reason": "departed", "roster_generation": generation})
             for m in departed])
+
+
+# The actor's own commands (Send runs batched in _apply_sends); other domains
+# register theirs in DOMAIN_COMMANDS (see register_command).
+_DISPATCH: dict[type[Command], Callable[..., Any]] = {
+    CreateScope: ScopeActor._refuse_create,
+    ChangeMembers: ScopeActor._change_members,
+    CloseDeparted: ScopeActor._close_departed,
+    Edit: ScopeActor._edit,
+    Withdraw: ScopeActor._withdraw,
+    React: ScopeActor._react,
+    MarkRead: ScopeActor._mark_read,
+    SetNotification: ScopeActor._set_notification,
+    Archive: ScopeActor._archive,
+}
+
+# Commands another domain module defines and handles inside this actor's batch
+# transaction (a savepoint each): handler(actor, conn, state, command) -> Outcome.
+DOMAIN_COMMANDS: dict[type[Command], Callable[..., Any]] = {}
+
+
+def register_command(command_type: type[Command]):
+    """Decorator: `command_type` is handled by the decorated function in the scope's actor."""
+    def decorate(handler):
+        DOMAIN_COMMANDS[command_type] = handler
+        return handler
+    return decorate
 
 
 def _safe_handles(intent: MessageIntent) -> tuple[str, ...]:

@@ -72,7 +72,7 @@ import asyncpg  # noqa: E402
 import trio  # noqa: E402
 
 from actors.fanout import FanoutHub  # noqa: E402
-from actors.plan import ActorContext, CommittedMessage, MessageIntent, ScopeContext  # noqa: E402
+from domain.plan import ActorContext, CommittedMessage, MessageIntent, ScopeContext  # noqa: E402
 from actors.planner import plan_message  # noqa: E402
 from actors.registry import ScopeRegistry  # noqa: E402
 from actors.scope_actor import Send  # noqa: E402

@@ -372,6 +372,11 @@ CLIENT_FRAMES: tuple[type[Request], ...] = (
     ReactionAdd, ReactionRemove, ReadMark, ReadMarkUnread, NotificationSet, InboxList, ConversationAction,
     Subscribe, Unsubscribe, Typing, Presence,
 )
+# Each later domain defines its ops in its own module (the frame types above
+# are defined by then, so the import is not circular) and is appended here.
+from protocol import collaboration as _collaboration, private_agents as _private_agents  # noqa: E402
+
+CLIENT_FRAMES += (*_collaboration.FRAMES, *_private_agents.FRAMES)
 ClientFrame = Union[CLIENT_FRAMES]  # type: ignore[valid-type]
 KNOWN_OPS = frozenset(frame.__struct_config__.tag for frame in CLIENT_FRAMES)
 

@@ -14,6 +14,7 @@ from typing import Literal
 
 import msgspec
 
+from protocol import collaboration, private_agents
 from protocol import frames as f
 
 
@@ -109,6 +110,8 @@ RESULTS: dict[type[f.Request], type[msgspec.Struct]] = {
     f.Unsubscribe: f.Ok,
     f.Typing: f.Ok,
     f.Presence: f.Ok,
+    **collaboration.RESULTS,
+    **private_agents.RESULTS,
 }
 assert set(RESULTS) == set(f.CLIENT_FRAMES), "every op needs exactly one result type"
 

@@ -16,6 +16,7 @@ from protocol import frames as f
 from protocol import results
 from protocol.errors import ErrorCode, ProtocolError
 from server import messaging, realtime
+from server.ops import collaboration, private_agents
 from server import tenancy as ops
 from server.context import RequestContext
 
@@ -257,6 +258,8 @@ IN_WORKSPACE: dict[type, Handler] = {
     f.Unsubscribe: realtime.unsubscribe,
     f.Typing: realtime.typing,
     f.Presence: realtime.presence,
+    **collaboration.HANDLERS,
+    **private_agents.HANDLERS,
 }
 assert set(PUBLIC) | set(AUTHENTICATED) | set(IN_WORKSPACE) == set(f.CLIENT_FRAMES), "every op needs a handler"
 

@@ -17,7 +17,7 @@ import trio
 
 from actors import scope_actor as cmd
 from actors.fanout import CommittedEvent
-from actors.plan import ActorContext, ChannelProfile, CommittedMessage, MembershipMutation, MessageIntent, SourceRef
+from domain.plan import ActorContext, ChannelProfile, CommittedMessage, MembershipMutation, MessageIntent, SourceRef
 from actors.routing_tokens import MentionMode
 from protocol import frames as f
 from protocol import results

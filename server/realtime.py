@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from actors.fanout import CommittedEvent
-from actors.plan import CommittedMessage
+from domain.plan import CommittedMessage
 from protocol import events
 from protocol import frames as f
 from protocol.codec import encode

@@ -14,7 +14,7 @@ from typing import Any
 
 import asyncpg
 
-from actors.plan import CommittedMessage, MembershipMutation, MessagePlan
+from domain.plan import CommittedMessage, MembershipMutation, MessagePlan
 from storage.errors import Conflict, NotFound
 from storage.ids import new_id
 from storage.tenancy import WRITABLE_STATES, execution_state_for_share
@@ -134,6 +134,15 @@ async def apply_membership_mutations(conn: asyncpg.Connection, workspace_id: str
             )
             if closed == "UPDATE 0":
                 raise NotFound("membership")
+    return await conn.fetchval(
+        "UPDATE scopes SET roster_generation = roster_generation + 1, updated_at = now() WHERE id = $1 "
+        "RETURNING roster_generation",
+        scope_id,
+    )
+
+
+async def bump_roster_generation(conn: asyncpg.Connection, scope_id: str) -> int:
+    """An eligibility change that is not a membership (a grant, a collaborator)."""
     return await conn.fetchval(
         "UPDATE scopes SET roster_generation = roster_generation + 1, updated_at = now() WHERE id = $1 "
         "RETURNING roster_generation",

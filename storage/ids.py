@@ -32,6 +32,10 @@ PREFIXES = frozenset(
         "scp",  # scope
         "smb",  # scope membership
         "grt",  # private grant
+        "sex",  # scope execution (owner-private execution container)
+        "col",  # People collaborator (task_scope_participant_metadata)
+        "cev",  # collaborator audit event
+        "cnj",  # collaborator notification job
         "msg",  # message
         "act",  # activity event
         "obx",  # outbox row

@@ -11,7 +11,7 @@ import json
 
 import asyncpg
 
-from actors.plan import CommittedMessage, MentionCandidate, ScopeContext
+from domain.plan import CommittedMessage, MentionCandidate, ScopeContext
 from storage import visibility
 from storage.visibility import ENTITLED_MEMBERSHIPS, message_readable_sql, scope_readable_sql
 from storage.errors import NotFound

@@ -11,7 +11,8 @@ workspace.  Where the seeds say `*_uuid` we use `*_id` holding a prefixed id
 from __future__ import annotations
 
 from storage.ids import sql_check
-from storage.schema_dsl import Check, Column, Exclude, ForeignKey, Index, Schema, Table, Unique, Version
+from storage.schema_dsl import (Check, Column, Exclude, ForeignKey, Index, Schema, Table, Unique, Version,
+                                introduced_in)
 
 TS = "timestamptz"
 NOW = "now()"
@@ -486,22 +487,45 @@ scope_private_grants = Table(
         Column("created_at", TS, default=NOW),
         Column("expires_at", TS, nullable=True),
         Column("revoked_at", TS, nullable=True),
+        # The grant's readable window in workspace_global_seq (SPEC §5.7): from the
+        # next global seq when it was granted, to the last one before it was revoked
+        # (or, for an expired grant, an upper bound the expiry sweep records; the
+        # exact expiry test is created_at < expires_at).  Windows are never moved
+        # backwards: revocation and expiry are not retroactive.
+        Column("effective_from_global_seq", "bigint", default="0", since=2),
+        Column("effective_to_global_seq", "bigint", nullable=True, since=2),
+        Column("revoked_by_member_id", "text", nullable=True, since=2),
     ),
     primary_key=("id",),
     checks=(
         id_check("scope_private_grants", "id", "grt"),
         Check("scope_private_grants_not_self", "owner_member_id <> grantee_member_id"),
+        Check("scope_private_grants_revoked_window", "revoked_at IS NULL OR effective_to_global_seq IS NOT NULL",
+              since=2),
+        Check("scope_private_grants_window_order",
+              "effective_from_global_seq >= 0 AND (effective_to_global_seq IS NULL "
+              "OR effective_to_global_seq >= effective_from_global_seq - 1)", since=2),
+        Check("scope_private_grants_expiry_after_creation", "expires_at IS NULL OR expires_at > created_at",
+              since=2),
     ),
     foreign_keys=(
         tenant_fk("scope_private_grants", ("workspace_id", "scope_id"), "scopes", ("workspace_id", "id"), "scope"),
         member_fk("scope_private_grants", "owner_member_id"),
         member_fk("scope_private_grants", "grantee_member_id"),
         member_fk("scope_private_grants", "granted_by_member_id"),
+        ForeignKey("scope_private_grants_revoked_by_fkey", ("workspace_id", "revoked_by_member_id"), "members",
+                   ("workspace_id", "id"), since=2),
     ),
     indexes=(
+        # One live grant per (scope, owner, grantee); an expired one is revoked before a re-grant.
         Index("scope_private_grants_live_key", "scope_id, owner_member_id, grantee_member_id", unique=True,
               where="revoked_at IS NULL"),
         Index("scope_private_grants_grantee_idx", "workspace_id, grantee_member_id"),
+        # The readable predicate: every window (ended ones too) of an (owner, author) pair.
+        Index("scope_private_grants_owner_grantee_idx", "scope_id, owner_member_id, grantee_member_id",
+              since=2),
+        Index("scope_private_grants_expiring_idx", "expires_at",
+              where="revoked_at IS NULL AND effective_to_global_seq IS NULL AND expires_at IS NOT NULL", since=2),
     ),
 )
 
@@ -564,7 +588,12 @@ scope_messages = Table(
         tenant_fk("scope_messages", ("workspace_id", "thread_scope_id"), "scopes", ("workspace_id", "id"),
                   "thread_scope"),
     ),
-    indexes=(Index("scope_messages_author_idx", "workspace_id, author_member_id, created_at"),),
+    indexes=(
+        Index("scope_messages_author_idx", "workspace_id, author_member_id, created_at"),
+        # Owner-private context scans (collaborator-policy.md §8.6): one author's
+        # messages in one scope by global seq (== seq order within a scope).
+        Index("scope_messages_scope_author_idx", "scope_id, author_member_id, workspace_global_seq, seq", since=2),
+    ),
 )
 
 scope_message_revisions = Table(
@@ -774,6 +803,164 @@ conversation_member_states = Table(
     ),
 )
 
+# --- owner-private collaboration (collaborator-policy.md §8) -------------------------------
+
+# An owner's private-agent execution container on a channel, thread or explicit
+# task (§3.0).  Created lazily, only by the writes §3.0 lists (the first
+# collaborator, the first owner/collaborator wake, the first owner_quote share,
+# the owner opening management); an owner-only scope has none.
+scope_executions = introduced_in(2, Table(
+    "scope_executions",
+    columns=(
+        Column("id", "text"),
+        Column("workspace_id", "text"),
+        Column("owner_member_id", "text"),
+        Column("scope_type", "text"),
+        Column("scope_id", "text"),
+        Column("created_trigger", "text"),
+        *timestamps(),
+    ),
+    primary_key=("id",),
+    uniques=(
+        Unique("scope_executions_owner_scope_key", ("owner_member_id", "scope_type", "scope_id")),
+        Unique("scope_executions_workspace_id_key", ("workspace_id", "id")),
+    ),
+    checks=(
+        id_check("scope_executions", "id", "sex"),
+        enum_check("scope_executions", "scope_type", ("channel", "thread", "explicit_task")),
+        enum_check("scope_executions", "created_trigger",
+                   ("first_collaborator", "wake", "owner_quote", "management")),
+    ),
+    foreign_keys=(
+        tenant_fk("scope_executions", ("workspace_id", "scope_id"), "scopes", ("workspace_id", "id"), "scope"),
+        member_fk("scope_executions", "owner_member_id"),
+    ),
+    indexes=(Index("scope_executions_scope_owner_idx", "scope_id, owner_member_id"),),
+))
+
+# People collaborators (§8.2): an owner's explicit grant to one human or
+# installed-app member, on one Scope Execution.  Effective collaborators of a
+# thread or task are the runtime union along the source chain; no row is copied.
+task_scope_participant_metadata = introduced_in(2, Table(
+    "task_scope_participant_metadata",
+    columns=(
+        Column("id", "text"),
+        Column("workspace_id", "text"),
+        Column("owner_scope_execution_id", "text"),
+        Column("member_id", "text"),
+        Column("role", "text", default="'collaborator'"),
+        Column("added_by_member_id", "text"),
+        Column("added_at", TS, default=NOW),
+        Column("expires_at", TS, nullable=True),
+        Column("left_at", TS, nullable=True),
+        Column("removed_at", TS, nullable=True),
+        # Same windows as scope_private_grants: from the next global seq at added_at.
+        Column("effective_from_global_seq", "bigint"),
+        Column("effective_to_global_seq", "bigint", nullable=True),
+        # member_id while the collaborator is active, NULL once ended: one active row per pair.
+        Column("active_key", "text", nullable=True),
+        *timestamps(),
+    ),
+    primary_key=("id",),
+    uniques=(
+        Unique("task_scope_participant_metadata_active_key", ("owner_scope_execution_id", "active_key")),
+        Unique("task_scope_participant_metadata_workspace_id_key", ("workspace_id", "id")),
+    ),
+    checks=(
+        id_check("task_scope_participant_metadata", "id", "col"),
+        enum_check("task_scope_participant_metadata", "role", ("collaborator",)),
+        Check("task_scope_participant_metadata_active_key_form", "active_key IS NULL OR active_key = member_id"),
+        Check("task_scope_participant_metadata_ended_state",
+              "(active_key IS NULL) = (effective_to_global_seq IS NOT NULL)"),
+        Check("task_scope_participant_metadata_left_or_removed_inactive",
+              "(left_at IS NULL AND removed_at IS NULL) OR active_key IS NULL"),
+        Check("task_scope_participant_metadata_window_order",
+              "effective_from_global_seq >= 0 AND (effective_to_global_seq IS NULL "
+              "OR effective_to_global_seq >= effective_from_global_seq - 1)"),
+        Check("task_scope_participant_metadata_expiry_after_add", "expires_at IS NULL OR expires_at > added_at"),
+    ),
+    foreign_keys=(
+        tenant_fk("task_scope_participant_metadata", ("workspace_id", "owner_scope_execution_id"),
+                  "scope_executions", ("workspace_id", "id"), "owner_scope_execution"),
+        member_fk("task_scope_participant_metadata", "member_id"),
+        member_fk("task_scope_participant_metadata", "added_by_member_id"),
+    ),
+    indexes=(
+        # The readable predicate and the resolvers: every window of (execution, member).
+        Index("task_scope_participant_metadata_execution_member_idx", "owner_scope_execution_id, member_id"),
+        # A collaborator's own grants (leave; "which owners let me contribute").
+        Index("task_scope_participant_metadata_member_idx", "workspace_id, member_id",
+              where="active_key IS NOT NULL"),
+        Index("task_scope_participant_metadata_expiring_idx", "expires_at",
+              where="active_key IS NOT NULL AND expires_at IS NOT NULL"),
+    ),
+))
+
+# Cold audit of collaborator changes (§8.8): never read or written by message writes.
+task_collaborator_events = introduced_in(2, Table(
+    "task_collaborator_events",
+    columns=(
+        Column("id", "text"),
+        Column("workspace_id", "text"),
+        Column("owner_scope_execution_id", "text"),
+        Column("target_kind", "text", default="'member'"),
+        Column("member_id", "text"),
+        Column("event_type", "text"),
+        Column("actor_member_id", "text", nullable=True),  # NULL: the system (expiry)
+        Column("event_at", TS, default=NOW),
+        Column("payload_json", "jsonb", default="'{}'::jsonb"),
+    ),
+    primary_key=("id",),
+    checks=(
+        id_check("task_collaborator_events", "id", "cev"),
+        enum_check("task_collaborator_events", "target_kind", ("member",)),
+        enum_check("task_collaborator_events", "event_type", ("add", "remove", "leave", "expire", "update_expiry")),
+        Check("task_collaborator_events_payload_object", "jsonb_typeof(payload_json) = 'object'"),
+    ),
+    foreign_keys=(
+        tenant_fk("task_collaborator_events", ("workspace_id", "owner_scope_execution_id"), "scope_executions",
+                  ("workspace_id", "id"), "owner_scope_execution"),
+        member_fk("task_collaborator_events", "member_id"),
+        member_fk("task_collaborator_events", "actor_member_id"),
+    ),
+    indexes=(Index("task_collaborator_events_execution_idx", "owner_scope_execution_id, event_at"),),
+))
+
+task_collaborator_notification_jobs = introduced_in(2, Table(
+    "task_collaborator_notification_jobs",
+    columns=(
+        Column("id", "text"),
+        Column("workspace_id", "text"),
+        Column("owner_scope_execution_id", "text"),
+        Column("target_kind", "text", default="'member'"),
+        Column("member_id", "text"),
+        Column("notification_type", "text"),
+        Column("state", "text", default="'pending'"),
+        Column("queued_at", TS, default=NOW),
+        Column("delivered_at", TS, nullable=True),
+        Column("failed_at", TS, nullable=True),
+        Column("error_code", "text", nullable=True),
+        Column("error_message", "text", nullable=True),
+        *timestamps(),
+    ),
+    primary_key=("id",),
+    checks=(
+        id_check("task_collaborator_notification_jobs", "id", "cnj"),
+        enum_check("task_collaborator_notification_jobs", "target_kind", ("member",)),
+        enum_check("task_collaborator_notification_jobs", "notification_type", ("collaborator_added",)),
+        enum_check("task_collaborator_notification_jobs", "state", ("pending", "delivered", "failed")),
+        Check("task_collaborator_notification_jobs_delivered_state",
+              "(state = 'delivered') = (delivered_at IS NOT NULL)"),
+        Check("task_collaborator_notification_jobs_failed_state", "(state = 'failed') = (failed_at IS NOT NULL)"),
+    ),
+    foreign_keys=(
+        tenant_fk("task_collaborator_notification_jobs", ("workspace_id", "owner_scope_execution_id"),
+                  "scope_executions", ("workspace_id", "id"), "owner_scope_execution"),
+        member_fk("task_collaborator_notification_jobs", "member_id"),
+    ),
+    indexes=(Index("task_collaborator_notification_jobs_pending_idx", "queued_at", where="state = 'pending'"),),
+))
+
 SCHEMA = Schema(
     tables=(
         instance_metadata,
@@ -798,10 +985,15 @@ SCHEMA = Schema(
         scope_fanout_outbox,
         scope_message_reactions,
         conversation_member_states,
+        scope_executions,
+        task_scope_participant_metadata,
+        task_collaborator_events,
+        task_collaborator_notification_jobs,
     ),
     versions=(
         Version(1, "tenancy kernel and message domain",
                 before=tuple(f"CREATE EXTENSION IF NOT EXISTS {name}" for name in EXTENSIONS)),
+        Version(2, "private agents: grant windows, Scope Executions, People collaborators"),
     ),
     extensions=EXTENSIONS,
 )

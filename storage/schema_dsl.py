@@ -117,6 +117,18 @@ class Table:
         return f"CREATE TABLE {self.name} (\n    {body}\n)"
 
 
+def introduced_in(version: int, table: Table) -> Table:
+    """`table` as a whole added by `version`: it and every element of it carry that `since`."""
+    from dataclasses import replace
+
+    def stamp(elements):
+        return tuple(replace(e, since=max(e.since, version)) for e in elements)
+
+    return replace(table, since=version, columns=stamp(table.columns), uniques=stamp(table.uniques),
+                   checks=stamp(table.checks), excludes=stamp(table.excludes),
+                   foreign_keys=stamp(table.foreign_keys), indexes=stamp(table.indexes))
+
+
 @dataclass(frozen=True)
 class Version:
     """One schema version: its number, a name, and SQL run before/after its DDL

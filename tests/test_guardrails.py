@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.plan import ActorContext, MessageIntent
+from domain.plan import ActorContext, MessageIntent
 from actors.scope_actor import Send
 from server.auth import system_workspace_context
 from storage import applier
@@ -30,8 +30,14 @@ def test_no_sql_outside_storage():
     assert offenders == []
 
 
+# Private authority (grants, Scope Executions, People collaborators and their
+# cold audit/notification rows): written by storage/private_authority.py alone.
+AUTHORITY_TABLES = ("scope_private_grants", "scope_executions", "task_scope_participant_metadata",
+                    "task_collaborator_events", "task_collaborator_notification_jobs")
+
+
 def test_only_the_applier_writes_message_domain_rows():
-    tables = "|".join(MESSAGE_DOMAIN_TABLES)
+    tables = "|".join(t for t in MESSAGE_DOMAIN_TABLES if t not in AUTHORITY_TABLES)
     write = re.compile(rf"\b(INSERT\s+INTO|UPDATE|DELETE\s+FROM)\s+({tables})\b")
     allowed = {ROOT / "storage" / "applier.py"}
     offenders = [str(p.relative_to(ROOT)) for p in _sources("storage", "server", "actors")
@@ -112,9 +118,19 @@ def test_every_read_surface_goes_through_the_one_visibility_module():
     """Who may read a scope, and who receives its events, is decided in
     storage/visibility.py alone: nothing else reads the membership (or grant)
     tables, so no read path can skip or re-implement the rule."""
-    reads = re.compile(r"\b(FROM|JOIN)\s+(scope_memberships|scope_private_grants)\b")
-    allowed = {ROOT / "storage" / "visibility.py"}
+    reads = re.compile(r"\b(FROM|JOIN)\s+(scope_memberships|" + "|".join(AUTHORITY_TABLES) + r")\b")
+    visibility_package = set(_sources("storage/visibility"))
+    # The authority writer reads only the rows it is about to change.
+    allowed = visibility_package | {ROOT / "storage" / "private_authority.py"}
     offenders = [f"{p.relative_to(ROOT)}: {m.group(0)}" for p in _sources("server", "actors", "storage", "protocol")
                  if p not in allowed for m in reads.finditer(p.read_text())]
     assert offenders == []
-    assert reads.search((ROOT / "storage" / "visibility.py").read_text())  # the pattern does find reads
+    assert any(reads.search(p.read_text()) for p in visibility_package)  # the pattern does find reads
+
+
+def test_only_the_authority_writer_writes_grants_and_collaborators():
+    write = re.compile(rf"\b(INSERT\s+INTO|UPDATE|DELETE\s+FROM)\s+({'|'.join(AUTHORITY_TABLES)})\b")
+    allowed = {ROOT / "storage" / "private_authority.py"}
+    offenders = [str(p.relative_to(ROOT)) for p in _sources("storage", "server", "actors")
+                 if p not in allowed and write.search(p.read_text())]
+    assert offenders == []

@@ -8,7 +8,7 @@ import trio
 
 from actors import scope_actor
 from actors.fanout import FanoutHub
-from actors.plan import ActorContext, MessageIntent
+from domain.plan import ActorContext, MessageIntent
 from actors.registry import ScopeRegistry
 from actors.scope_actor import ActorFailed, ActorUnavailable, Send
 from server.auth import system_workspace_context

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import trio
 
 from actors.fanout import FanoutHub
-from actors.plan import ActorContext, MessageIntent
+from domain.plan import ActorContext, MessageIntent
 from actors.registry import ScopeRegistry
 from actors.scope_actor import Edit, React, Refused, Send, Withdraw
 from server.auth import system_workspace_context

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncpg
 
-from actors.plan import RosterEntry
+from domain.plan import RosterEntry
 
 # The memberships that grant reading and delivery, as a relation usable in any FROM.
 ENTITLED_MEMBERSHIPS = (

@@ -12,7 +12,15 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from actors.routing_tokens import MentionMode
+
+
+class MentionMode(str, enum.Enum):
+    """How a message's text is routed (scope-model.md §5.3)."""
+
+    NORMAL = "normal"
+    SINGLE_FORWARD = "single_forward"
+    MULTI_FORWARD = "multi_forward"          # forwarding many messages must not re-notify anyone
+    EXPLICIT_CONTEXT = "explicit_context"    # recipients are given explicitly, not parsed
 
 
 class DeliveryPolicy(str, enum.Enum):

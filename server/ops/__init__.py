@@ -1,0 +1,1 @@
+"""Request handlers, one module per domain (each exports HANDLERS: frame type → handler)."""
