@@ -69,7 +69,8 @@ class OutboxWorker:
         if row["fanout_type"] == "message.created" and message.state == "withdrawn":
             await self.db.transaction(applier.settle_suppressed, row["id"], "message_withdrawn")
             return
-        roster = await self.db.run(visibility.entitled_roster, row["scope_id"])
+        # Only who may read this message now (a private agent: by the readable predicate).
+        roster = await self.db.run(visibility.entitled_for_message, row["scope_id"], row["message_id"])
         self.hub.publish(CommittedEvent(row["fanout_type"], row["workspace_id"], row["scope_id"], message.seq,
                                         message.workspace_global_seq, message), roster=roster)
         await self.db.transaction(applier.settle_delivered, [row["id"]])

@@ -5,6 +5,7 @@ Set computation and policy calls only; no SQL."""
 from __future__ import annotations
 
 import hashlib
+from datetime import datetime
 
 import msgspec
 
@@ -21,8 +22,13 @@ from domain.plan import (
     ScopeContext,
 )
 from actors.routing_tokens import parse_routing_tokens
+from domain.authority import ScopeAuthority
 
 _digest_encoder = msgspec.json.Encoder(order="sorted")
+
+# Addressing a private agent for one of these reasons is the owner's (or a
+# collaborator's) first-class wake: it creates the owner's Scope Execution here.
+WAKE_REASONS = frozenset({"owner", "grant", "collaborator"})
 
 
 class PlanRefused(Exception):
@@ -43,6 +49,8 @@ def payload_digest(intent: MessageIntent) -> bytes:
         "metadata": intent.metadata,
         "silent": intent.silent,
     }
+    if intent.recipients:  # absent otherwise, so digests stored before recipients existed still match
+        canonical["recipients"] = sorted(set(intent.recipients))
     return hashlib.sha256(_digest_encoder.encode(canonical)).digest()
 
 
@@ -52,13 +60,32 @@ def mention_handles(intent: MessageIntent) -> tuple[str, ...]:
 
 
 def plan_message(intent: MessageIntent, actor: ActorContext, scope: ScopeContext,
-                 candidates: dict[str, MentionCandidate], parent: ScopeContext | None) -> MessagePlan:
+                 candidates: dict[str, MentionCandidate], parent: ScopeContext | None,
+                 authority: ScopeAuthority | None = None, now: datetime | None = None) -> MessagePlan:
     decision = policy.can_write(actor, scope)
     if not decision.allowed:
         raise PlanRefused(decision)
+    authority = authority if authority is not None else ScopeAuthority()
     live: list[str] = []
-    admissions: list[MembershipMutation] = []
+    recipients: list[str] = []
+    admissions: dict[str, MembershipMutation] = {}
+    executions: dict[str, str] = {}
     explain: list[Explain] = []
+
+    def address(candidate: MentionCandidate, how: str) -> bool:
+        allowed, admits = policy.can_address(actor, scope, candidate, parent, authority, now)
+        explain.append(Explain(candidate.member_id, f"{how}:{allowed.reason}", allowed.allowed))
+        if not allowed.allowed:
+            return False
+        private = candidate.visibility == "private"
+        if admits:
+            admissions.setdefault(candidate.member_id, MembershipMutation(
+                member_id=candidate.member_id, action="open", visibility="private" if private else "public",
+                owner_member_id=candidate.owner_member_id if private else None))
+        if private and allowed.reason in WAKE_REASONS and candidate.owner_member_id is not None:
+            executions.setdefault(candidate.owner_member_id, "wake")
+        return True
+
     for handle in mention_handles(intent):
         if handle in policy.AUDIENCE_TOKENS:
             explain.append(Explain(member_id=handle, reason="audience_mention_deferred", delivered=False))
@@ -66,18 +93,21 @@ def plan_message(intent: MessageIntent, actor: ActorContext, scope: ScopeContext
         candidate = candidates.get(handle)
         if candidate is None:
             continue  # not a member handle: plain text
-        allowed, admits = policy.can_address(actor, scope, candidate, parent)
-        explain.append(Explain(candidate.member_id, f"mention:{allowed.reason}", allowed.allowed))
-        if not allowed.allowed:
-            continue  # stays plain text
-        live.append(candidate.member_id)
-        if admits:
-            admissions.append(MembershipMutation(
-                member_id=candidate.member_id, action="open",
-                visibility="private" if candidate.visibility == "private" else "public",
-                owner_member_id=candidate.owner_member_id if candidate.visibility == "private" else None))
+        if address(candidate, "mention"):
+            live.append(candidate.member_id)
+    if intent.recipients:
+        by_id = {c.member_id: c for c in candidates.values()}
+        for member_id in dict.fromkeys(intent.recipients):
+            candidate = by_id.get(member_id)
+            if candidate is None or not address(candidate, "recipient"):
+                # One answer whatever the cause: it reveals nothing about grants.
+                raise PlanRefused(policy.deny("recipient_not_addressable"))
+            recipients.append(member_id)
+    if intent.message_type == "owner_quote" and actor.member_kind == "human":
+        executions.setdefault(actor.member_id, "owner_quote")
     outbox = () if intent.silent else (
         OutboxEvent("message", "message.created", DeliveryPolicy.INLINE_ORDINARY),
     )
     return MessagePlan(intent=intent, actor=actor, digest=payload_digest(intent), live_mentions=tuple(live),
-                       membership_mutations=tuple(admissions), outbox=outbox, explain=tuple(explain))
+                       membership_mutations=tuple(admissions.values()), outbox=outbox, explain=tuple(explain),
+                       recipients=tuple(recipients), executions=tuple(executions.items()))

@@ -4,7 +4,9 @@ No I/O, no side effects; the Planner asks, the Applier never re-decides."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime
 
+from domain.authority import ScopeAuthority, wake_authority
 from domain.plan import ActorContext, MentionCandidate, ScopeContext
 
 AUDIENCE_TOKENS = frozenset({"all", "here"})
@@ -33,27 +35,39 @@ def can_write(actor: ActorContext, scope: ScopeContext) -> Decision:
 
 
 def can_address(actor: ActorContext, scope: ScopeContext, candidate: MentionCandidate,
-                parent: ScopeContext | None) -> tuple[Decision, bool]:
-    """Whether `actor` may address `candidate` with a live mention here, and
-    whether that mention admits the candidate into this (thread) scope.
+                parent: ScopeContext | None, authority: ScopeAuthority,
+                now: datetime | None) -> tuple[Decision, bool]:
+    """Whether `actor` may address `candidate` here (a live mention or an explicit
+    recipient), and whether that admits the candidate into this (thread) scope.
 
-    A private agent may be addressed only by its owner (owner grants and People
-    collaborators extend this in later work); a mention nobody may address
-    stays plain text."""
+    A private agent may be addressed only by its owner, another private agent of
+    the same owner in this scope, or a member holding an active grant or People
+    collaborator window of the owner on this scope's chain (collaborator-policy
+    §5; SPEC §5 decision 2).  Anything else stays plain text."""
     if candidate.status != "active":
         return deny("inactive_member"), False
-    private_agent = candidate.kind == "agent" and candidate.visibility == "private"
-    if private_agent and candidate.owner_member_id != actor.member_id and candidate.member_id != actor.member_id:
+    admits = False
+    if candidate.member_id not in scope.roster:
+        # Thread admission (scope-model.md §5.2): only someone already in the
+        # parent, a private agent only as a private member of the parent.
+        parent_entry = parent.roster.get(candidate.member_id) if scope.type == "thread" and parent else None
+        if parent_entry is None or (_is_private_agent(candidate) and parent_entry.visibility != "private"):
+            return deny("not_a_member"), False
+        admits = True
+    if not _is_private_agent(candidate):
+        return allow("thread_admission" if admits else "member"), admits
+    if candidate.member_id == actor.member_id:
+        return allow("own"), admits
+    assert now is not None and candidate.owner_member_id is not None
+    authority_reason = wake_authority(actor.member_id, scope.roster.get(actor.member_id), candidate.owner_member_id,
+                                      authority, now)
+    if authority_reason is None:
         return deny("private_agent_without_authority"), False
-    if candidate.member_id in scope.roster:
-        return allow("owner" if private_agent else "member"), False
-    # Thread admission (scope-model.md §5.2): a private agent joins a thread only
-    # if it is already a private member of the parent scope.
-    if scope.type == "thread" and parent is not None:
-        parent_entry = parent.roster.get(candidate.member_id)
-        if parent_entry is not None and (not private_agent or parent_entry.visibility == "private"):
-            return allow("thread_admission"), True
-    return deny("not_a_member"), False
+    return allow(authority_reason[0]), admits
+
+
+def _is_private_agent(candidate: MentionCandidate) -> bool:
+    return candidate.kind == "agent" and candidate.visibility == "private"
 
 
 def can_add_member(actor: ActorContext | None, scope: ScopeContext, candidate: MentionCandidate,

@@ -41,7 +41,8 @@ from domain.plan import (
 from actors.planner import PlanRefused, mention_handles, plan_message
 from actors.policy import can_add_member
 from actors.routing_tokens import TooManyRoutingTokens
-from storage import applier, messages, tenancy, visibility
+from domain.authority import ScopeAuthority, private_read_reason
+from storage import applier, messages, private_authority, tenancy, visibility
 from storage.bridge import Database
 from storage.errors import Conflict, DatabaseUnavailable, NotFound, StorageError, WriteFenced
 
@@ -224,6 +225,15 @@ class ScopeActor:
         # Private authority (grants, collaborators) changed here: reloaded after commit.
         self._authority_dirty = False
         self._roster_set: frozenset[str] = frozenset()
+        # Who receives every event (public members) and who receives only what the
+        # readable predicate lets them (private agents), rebuilt with the roster.
+        self._public_set: frozenset[str] = frozenset()
+        self._private_readers: tuple[RosterEntry, ...] = ()
+        # For a thread: the parent as this actor last read it (admission, inherited authority).
+        self.parent: ScopeContext | None = None
+        self.authority = ScopeAuthority()
+        # Owners whose Scope Execution here is known to exist (created on a first wake / owner_quote).
+        self._executions: set[str] = set()
         # Messages delivered inline whose outbox rows are not marked yet: the mark
         # rides in the next batch's transaction, or goes alone when the mailbox is empty.
         self._unsettled: list[str] = []
@@ -237,8 +247,7 @@ class ScopeActor:
         """Serve until idle; a crash fails the pending commands and ends the task
         (the registry starts a fresh actor on the next command)."""
         try:
-            self.state = await self.db.run(messages.load_scope_context, self.scope_id)
-            self._roster_set = frozenset(self.state.roster) if self.state else frozenset()
+            await self._reload()
             # Committed but not yet published: fanned out while the next batch's
             # transaction runs (or as soon as the mailbox is empty).
             pending: _Publication | None = None
@@ -326,12 +335,11 @@ class ScopeActor:
             else:
                 command.reply.set(outcome.value)
         before = self._roster_set
-        if self._roster_dirty or any(isinstance(c, (ChangeMembers, CloseDeparted, Archive)) for c in batch):
-            self._roster_dirty = False
-            self.state = await self.db.run(messages.load_scope_context, self.scope_id)
-            # Rebuilt only when the roster changes: copying a 10,000-member roster per
-            # batch was the largest CPU cost of a send into a big scope (bench/send.py).
-            self._roster_set = frozenset(self.state.roster) if self.state else frozenset()
+        if (self._roster_dirty or self._authority_dirty
+                or any(isinstance(c, (ChangeMembers, CloseDeparted, Archive)) for c in batch)):
+            # Rebuilt only when the roster or authority changes: copying a 10,000-member
+            # roster per batch was the largest CPU cost of a send into a big scope (bench/send.py).
+            await self._reload()
         roster = self._roster_set
         for outcome in outcomes:
             if isinstance(outcome, BaseException):
@@ -339,7 +347,7 @@ class ScopeActor:
             for event in outcome.events:
                 # A member who just left still hears about their own removal.
                 publication.items.append(
-                    (event, roster | before if event.event == "membership.changed" else roster))
+                    (event, roster | before if event.event == "membership.changed" else self._audience(event)))
                 if event.event == "message.created":
                     publication.message_ids.append(event.data.id)
                     if self.state is not None:
@@ -361,8 +369,7 @@ class ScopeActor:
                 continue
             command.reply.set(outcome.value)
             if outcome.value == self.scope_id:
-                self.state = await self.db.run(messages.load_scope_context, self.scope_id)
-                self._roster_set = frozenset(self.state.roster) if self.state else frozenset()
+                await self._reload()
             publication.items += [(event, self._roster_set) for event in outcome.events]
         return publication
 
@@ -405,6 +412,49 @@ class ScopeActor:
         return _Outcome(scope_id, [CommittedEvent("membership.changed", actor.workspace_id, scope_id, None, None,
                                                   {"member_id": m.member_id, "action": "open",
                                                    "roster_generation": generation}) for m in mutations])
+
+    async def _reload(self) -> None:
+        """Read the scope, its roster, the thread's parent and the private authority afresh."""
+        self._roster_dirty = self._authority_dirty = False
+        view = await self.db.run(messages.load_actor_view, self.scope_id)
+        self._take(view)
+
+    def _take(self, view: messages.ActorView) -> None:
+        self.state, self.parent, self.authority = view.state, view.parent, view.authority
+        roster = self.state.roster if self.state else {}
+        self._roster_set = frozenset(roster)
+        self._private_readers = tuple(e for e in roster.values() if e.visibility == "private")
+        self._public_set = (frozenset(m for m, e in roster.items() if e.visibility == "public")
+                            if self._private_readers else self._roster_set)
+
+    async def _refresh_parent(self, conn: asyncpg.Connection) -> None:
+        """A thread re-reads its parent and the authority when the parent's roster
+        generation moved (a membership, grant or collaborator changed there): one
+        cheap read per batch instead of the parent's roster."""
+        if self.parent is None:
+            return
+        generation = await messages.roster_generation(conn, self.parent.scope_id)
+        if generation != self.parent.roster_generation:
+            # Only the parent and the authority: this scope's own state is this actor's.
+            self._take(await messages.load_actor_view(conn, self.scope_id, self.state))
+
+    def _audience(self, event: CommittedEvent) -> frozenset[str] | MessageAudience:
+        """Who may receive `event`: everyone on the roster, except that a private
+        agent receives a message's events only when it may read the message."""
+        if event.event != "message.created":
+            return self._roster_set
+        message = event.data
+        return self._message_audience(message.author_member_id, message.workspace_global_seq, message.created_at)
+
+    def _message_audience(self, author: str, global_seq: int, created_at) -> frozenset[str] | MessageAudience:
+        if not self._private_readers:
+            return self._roster_set
+        roster = self.state.roster if self.state else {}
+        readers = frozenset(
+            reader.member_id for reader in self._private_readers
+            if private_read_reason(reader, author, roster.get(author), self.authority, global_seq,
+                                   created_at) is not None)
+        return MessageAudience(self._public_set, readers) if readers else self._public_set
 
     def _publish(self, publication: _Publication) -> None:
         if publication.published:
@@ -454,17 +504,21 @@ class ScopeActor:
     async def _apply_sends(self, conn: asyncpg.Connection, state: ScopeContext, batch: list[Command],
                            sends: list[tuple[int, Command]], outcomes: list[Any]) -> None:
         handles = sorted({h for _, c in sends for h in _safe_handles(c.intent)})
-        candidates = await messages.mention_candidates(conn, state.workspace_id, handles)
-        parent = None
-        if state.type == "thread" and state.parent_scope_id is not None:
-            parent = await messages.load_scope_context(conn, state.parent_scope_id)
+        recipient_ids = sorted({r for _, c in sends for r in c.intent.recipients})
+        candidates = await messages.mention_candidates(conn, state.workspace_id, handles, recipient_ids)
+        await self._refresh_parent(conn)
+        now = await messages.transaction_time(conn) if candidates and self._private_readers_here() else None
         plans: list[tuple[int, MessagePlan]] = []
         for index, command in sends:
             try:
-                plans.append((index, plan_message(command.intent, command.actor, state, candidates, parent)))
+                plans.append((index, plan_message(command.intent, command.actor, state, candidates, self.parent,
+                                                  self.authority, now)))
             except PlanRefused as exc:
-                outcomes[index] = Refused("forbidden" if exc.decision.reason == "not_a_member" else "conflict",
-                                          f"cannot send: {exc.decision.reason}", exc.decision.reason)
+                reason = exc.decision.reason
+                code = "forbidden" if reason in ("not_a_member", "recipient_not_addressable") else "conflict"
+                message = ("cannot address that recipient" if reason == "recipient_not_addressable"
+                           else f"cannot send: {reason}")
+                outcomes[index] = Refused(code, message, reason)
             except TooManyRoutingTokens as exc:
                 outcomes[index] = Refused("invalid", f"too many mentions ({exc.count})", "too_many_mentions")
         existing = await applier.find_idempotent(
@@ -491,6 +545,12 @@ class ScopeActor:
         if fresh:
             committed = await applier.insert_messages(conn, state.workspace_id, state.scope_id,
                                                       [p for _, p in fresh])
+            # The global seqs are allocated (the workspace counter stays locked until
+            # commit): a grant or collaborator change on the parent either committed
+            # before (seen now) or ends after these messages.  Live fanout then
+            # evaluates the readable predicate on current windows.
+            await self._refresh_parent(conn)
+            await self._ensure_executions(conn, state, [p for _, p in fresh])
             admissions: list[MembershipMutation] = []
             opened_at: dict[str, int] = {}
             for (index, plan), message in zip(fresh, committed):
@@ -513,6 +573,25 @@ class ScopeActor:
                 outcomes[index] = _Outcome(_as_replay(first.value))
             else:
                 outcomes[index] = Conflict("idempotency_conflict", "same client_message_id, different payload")
+
+    def _private_readers_here(self) -> bool:
+        """Whether any private agent may be addressed here (in this scope or, for a thread, its parent)."""
+        return bool(self._private_readers) or (self.parent is not None and any(
+            e.visibility == "private" for e in self.parent.roster.values()))
+
+    async def _ensure_executions(self, conn: asyncpg.Connection, state: ScopeContext,
+                                 plans: list[MessagePlan]) -> None:
+        """The first owner/grantee/collaborator wake of an owner's private agent, or
+        the owner's first owner_quote, here creates the owner's Scope Execution
+        (collaborator-policy §3.0); ordinary messages never do."""
+        if state.type not in ("channel", "thread"):
+            return
+        for plan in plans:
+            for owner, trigger in plan.executions:
+                if owner not in self._executions:
+                    await private_authority.ensure_execution(conn, state.workspace_id, owner, state.scope_id,
+                                                             state.type, trigger)
+                    self._executions.add(owner)
 
     async def _apply_other(self, conn: asyncpg.Connection, state: ScopeContext, command: Command) -> _Outcome:
         handler = _DISPATCH.get(type(command))
@@ -552,11 +631,15 @@ class ScopeActor:
 
     async def _react(self, conn: asyncpg.Connection, state: ScopeContext, command: React) -> _Outcome:
         actor = command.actor
-        changed = await applier.set_reaction(conn, state.workspace_id, state.scope_id, command.message_id,
-                                             actor.member_id, command.key, command.add)
+        changed, message = await applier.set_reaction(conn, state.workspace_id, state.scope_id, command.message_id,
+                                                      actor.member_id, command.key, command.add)
+        # Bound by the message: a private agent hears of reactions only on what it reads.
         event = CommittedEvent("reaction.added" if command.add else "reaction.removed", state.workspace_id,
                                state.scope_id, None, None,
-                               {"message_id": command.message_id, "key": command.key, "member_id": actor.member_id})
+                               {"message_id": command.message_id, "key": command.key, "member_id": actor.member_id},
+                               audience=self._message_audience(message["author_member_id"],
+                                                               message["workspace_global_seq"],
+                                                               message["created_at"]))
         return _Outcome({"changed": changed}, [event] if changed else [])
 
     async def _mark_read(self, conn: asyncpg.Connection, state: ScopeContext, command: MarkRead) -> _Outcome:
@@ -589,9 +672,8 @@ class ScopeActor:
     async def _change_members(self, conn: asyncpg.Connection, state: ScopeContext, command: ChangeMembers) -> _Outcome:
         actor = command.actor
         mutations: list[MembershipMutation] = []
-        parent = None
-        if state.type == "thread" and state.parent_scope_id is not None:
-            parent = await messages.load_scope_context(conn, state.parent_scope_id)
+        await self._refresh_parent(conn)
+        parent = self.parent
         for member_id in command.member_ids:
             if command.action in ("leave", "remove"):
                 if member_id not in state.roster:
@@ -646,6 +728,19 @@ class ScopeActor:
             CommittedEvent("membership.changed", state.workspace_id, state.scope_id, None, None,
                            {"member_id": m, "action": "close", "reason": "departed", "roster_generation": generation})
             for m in departed])
+
+
+class MessageAudience:
+    """The members entitled to one message's events: every public member plus the
+    private agents that may read it (the hub only asks `member in audience`)."""
+
+    __slots__ = ("public", "private")
+
+    def __init__(self, public: frozenset[str], private: frozenset[str]) -> None:
+        self.public, self.private = public, private
+
+    def __contains__(self, member_id: object) -> bool:
+        return member_id in self.public or member_id in self.private
 
 
 # The actor's own commands (Send runs batched in _apply_sends); other domains

@@ -50,6 +50,9 @@ class MessageIntent:
     metadata: dict[str, Any] = field(default_factory=dict)
     sources: tuple[SourceRef, ...] = ()
     mention_mode: MentionMode = MentionMode.NORMAL
+    # Explicit recipients the client asks to address (scope-model.md §5.2, §5.3):
+    # authorized by the Policy like live mentions; never trusted as given.
+    recipients: tuple[str, ...] = ()
     # Silent/internal messages are stored and readable but produce no fanout
     # (explicit no-fanout rule, scope-model.md §6.5).
     silent: bool = False
@@ -140,6 +143,9 @@ class MessagePlan:
     membership_mutations: tuple[MembershipMutation, ...]
     outbox: tuple[OutboxEvent, ...]
     explain: tuple[Explain, ...]
+    recipients: tuple[str, ...] = ()  # explicit recipients that passed the Policy
+    # (owner, trigger) of Scope Executions this message creates if missing (a wake, an owner_quote).
+    executions: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from typing import Literal
 
 import msgspec
 
+from protocol import collaboration
 from protocol import frames as f
 
 
@@ -90,6 +91,7 @@ EVENTS: dict[str, type[msgspec.Struct]] = {
     "read_state.changed": ReadStateChanged,
     "inbox.changed": InboxChanged,
     "scope.archived": ScopeArchived,
+    "collaborator.changed": collaboration.CollaboratorChanged,
 }
 MESSAGE_EVENTS = frozenset(name for name, payload in EVENTS.items() if payload is f.MessageInfo)
 

@@ -172,6 +172,9 @@ Seq = Annotated[int, msgspec.Meta(ge=0, le=2**53)]
 ReactionKey = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
 Cursor = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
 NotificationState = Literal["active", "quiet", "mute", "auto-wake", "no-wake"]
+# Explicit recipients of a send: addressed like live mentions, authorized by the
+# server (an unauthorized one answers `forbidden`, reason `recipient_not_addressable`).
+RecipientIds = Annotated[list[Id], msgspec.Meta(max_length=20)]
 
 
 class ChannelCreate(WorkspaceRequest, tag="channel.create"):
@@ -197,7 +200,12 @@ class ScopeGet(WorkspaceRequest, tag="scope.get"):
 
 
 class ScopeMembers(WorkspaceRequest, tag="scope.members"):
+    """The scope's current public members; with `include_private` also its
+    private members (private agents), each marked `visibility: private` with
+    its `owner_member_id`."""
+
     scope_id: Id
+    include_private: bool = False
 
 
 class ScopeJoin(WorkspaceRequest, tag="scope.join"):
@@ -225,7 +233,9 @@ class ScopeArchive(WorkspaceRequest, tag="scope.archive"):
 class MessageSend(WorkspaceRequest, tag="message.send"):
     """A plain user message: `message_type` is `text` or `markdown` (other types
     come from their own commands); `metadata` is client-owned JSON that never
-    carries routing facts (see `input_rules`)."""
+    carries routing facts (see `input_rules`).  `recipient_member_ids` address
+    members explicitly, authorized like live mentions; the server lists the
+    addressed ones in `metadata.recipients`."""
 
     scope_id: Id
     content: Content
@@ -234,22 +244,32 @@ class MessageSend(WorkspaceRequest, tag="message.send"):
     metadata: dict[str, Any] = {}
     reply_to_message_id: Id | None = None
     silent: bool = False
+    recipient_member_ids: RecipientIds = []
 
 
 class ThreadReply(WorkspaceRequest, tag="thread.reply"):
     """Reply in the thread of `root_message_id` (in `scope_id`); the thread is
-    created on the first reply."""
+    created on the first reply, with the replier, the root's author and the
+    private agents the root addressed (each still a member of `scope_id`) as
+    its first members.  Replying joins the thread, except for a private agent:
+    only the root or a message in the thread admits it (otherwise `forbidden`,
+    reason `private_agent_not_admitted`).  `recipient_member_ids` as in
+    `message.send`."""
 
     scope_id: Id
     root_message_id: Id
     content: Content
     client_message_id: ClientMessageId | None = None
+    recipient_member_ids: RecipientIds = []
 
 
 class MessageForward(WorkspaceRequest, tag="message.forward"):
     """Forward one message (its mentions stay live, as if re-sent) or several
-    (context only: no live mentions) into `scope_id`.  `owner_quote` shares
-    output of your own agents as explicit context (no live mentions)."""
+    (context only: no live mentions) into `scope_id`.  `owner_quote` (human
+    members only) shares any visible message you can read as explicit context:
+    the message is your `comment`, `metadata.quote` holds a frozen copy of each
+    quoted message with its source and author, `metadata.shared_by_member_id`
+    is you; quoted mentions stay inert and sharing adds no collaborator."""
 
     scope_id: Id
     source_message_ids: Annotated[list[Id], msgspec.Meta(min_length=1, max_length=20)]

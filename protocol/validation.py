@@ -16,7 +16,8 @@ naming the offending field (a dotted path into metadata):
   arrays, strings, finite numbers, integers within ±(2^53 − 1), booleans and
   null; at most MAX_METADATA_DEPTH levels deep and MAX_METADATA_BYTES encoded.
   Its top-level keys never include RESERVED_METADATA_KEYS: routing facts
-  (mentions, wake targets, sources) are computed by the server alone.
+  (mentions, recipients, wake targets, sources) and owner_quote attribution
+  (quote, shared_by_member_id) are written by the server alone.
 - `message.send` writes only CLIENT_MESSAGE_TYPES; every other message type is
   produced by its own command (`message.forward` writes `forward` and
   `owner_quote`).
@@ -35,7 +36,7 @@ from protocol.errors import ErrorCode, ProtocolError
 CLIENT_MESSAGE_TYPES = ("text", "markdown")
 RESERVED_METADATA_KEYS = frozenset({
     "mentions", "wake", "wakes", "wake_targets", "audience", "routing", "sources", "source_refs", "silent",
-    "forwarded_message_ids", "quoted_message_ids",
+    "forwarded_message_ids", "quoted_message_ids", "recipients", "quote", "shared_by_member_id",
 })
 MAX_METADATA_DEPTH = 8
 MAX_METADATA_BYTES = 16_384

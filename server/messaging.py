@@ -17,7 +17,8 @@ import trio
 
 from actors import scope_actor as cmd
 from actors.fanout import CommittedEvent
-from domain.plan import ActorContext, ChannelProfile, CommittedMessage, MembershipMutation, MessageIntent, SourceRef
+from domain.plan import (ActorContext, ChannelProfile, CommittedMessage, MembershipMutation, MessageIntent,
+                         RosterEntry, SourceRef)
 from actors.routing_tokens import MentionMode
 from protocol import frames as f
 from protocol import results
@@ -102,16 +103,21 @@ def _ms(value) -> int:
     return int(value.timestamp() * 1000)
 
 
-def message_info(message: CommittedMessage | asyncpg.Record, reactions: list | None = None) -> f.MessageInfo:
-    get = (lambda k: getattr(message, k)) if isinstance(message, CommittedMessage) else (lambda k: message[k])
-    metadata = get("metadata")
+def _metadata_of(message: CommittedMessage | asyncpg.Record) -> dict[str, Any]:
+    metadata = message.metadata if isinstance(message, CommittedMessage) else message["metadata"]
     if isinstance(metadata, str):
         metadata = json.loads(metadata)
+    return metadata or {}
+
+
+def message_info(message: CommittedMessage | asyncpg.Record, reactions: list | None = None) -> f.MessageInfo:
+    get = (lambda k: getattr(message, k)) if isinstance(message, CommittedMessage) else (lambda k: message[k])
+    metadata = _metadata_of(message)
     return f.MessageInfo(
         id=get("id"), scope_id=get("scope_id"), seq=get("seq"), global_seq=get("workspace_global_seq"),
         author_member_id=get("author_member_id"), author_type=get("author_type"),
         message_type=get("message_type"), content=get("content"), revision=get("revision"), state=get("state"),
-        created_at_ms=_ms(get("created_at")), metadata=metadata or {}, client_message_id=get("client_message_id"),
+        created_at_ms=_ms(get("created_at")), metadata=metadata, client_message_id=get("client_message_id"),
         thread_scope_id=None if isinstance(message, CommittedMessage) else message["thread_scope_id"],
         reactions=[f.ReactionSummary(r["reaction_key"], r["count"], r["me"]) for r in reactions or []],
         replayed=message.replayed if isinstance(message, CommittedMessage) else False,
@@ -242,7 +248,7 @@ async def scope_members(server: Server, connection: Connection, request: f.Scope
     return results.ScopeMembersResult([
         f.ScopeMemberInfo(member_id=m["member_id"], handle=m["handle"], display_name=m["display_name"],
                           kind=m["kind"], visibility=m["visibility"], owner_member_id=m["owner_member_id"])
-        for m in await server.db.run(visibility.scope_members, row["id"])])
+        for m in await server.db.run(visibility.scope_members, row["id"], include_private=request.include_private)])
 
 
 async def scope_join(server: Server, connection: Connection, request: f.ScopeJoin, ctx: RequestContext) -> f.Ok:
@@ -290,6 +296,11 @@ async def _send(server: Server, workspace: WorkspaceContext, scope_id: str, inte
     return message_info(message)
 
 
+def _recipients(member_ids: list[str]) -> tuple[str, ...]:
+    """Explicit recipients, checked for shape only: the planner authorizes them."""
+    return tuple(dict.fromkeys(_check_id(m, "mem", "recipient") for m in member_ids))
+
+
 async def message_send(server: Server, connection: Connection, request: f.MessageSend,
                        ctx: RequestContext) -> f.MessageInfo:
     workspace, row = await _scope(server, ctx, request.scope_id, Permission.MESSAGE_WRITE)
@@ -303,12 +314,13 @@ async def message_send(server: Server, connection: Connection, request: f.Messag
     return await _send(server, workspace, row["id"], MessageIntent(
         scope_id=row["id"], content=request.content, message_type=request.message_type,
         client_message_id=request.client_message_id, metadata=dict(request.metadata), sources=sources,
-        silent=request.silent))
+        recipients=_recipients(request.recipient_member_ids), silent=request.silent))
 
 
 async def thread_reply(server: Server, connection: Connection, request: f.ThreadReply,
                        ctx: RequestContext) -> f.MessageInfo:
     workspace, parent = await _scope(server, ctx, request.scope_id, Permission.MESSAGE_WRITE)
+    recipients = _recipients(request.recipient_member_ids)  # before the thread exists: bad input opens nothing
     root = await server.db.run(messages.message_for_viewer, workspace.workspace_id, workspace.member_id,
                                _check_id(request.root_message_id, "msg", "message"))
     if root is None or root["scope_id"] != parent["id"]:
@@ -321,19 +333,30 @@ async def thread_reply(server: Server, connection: Connection, request: f.Thread
     else:
         await _ensure_thread_member(server, workspace, thread_id)
     return await _send(server, workspace, thread_id, MessageIntent(
-        scope_id=thread_id, content=request.content, client_message_id=request.client_message_id))
+        scope_id=thread_id, content=request.content, client_message_id=request.client_message_id,
+        recipients=recipients))
 
 
 async def _open_thread(server: Server, workspace: WorkspaceContext, parent_id: str, root: asyncpg.Record) -> str:
-    """The thread scope of a root message: its first members are the replier and
-    the root's author (when still in the parent and not a private agent)."""
-    parent_roster = await server.db.run(visibility.entitled_roster, parent_id)
-    members = [MembershipMutation(workspace.member_id, "open")]
-    author = root["author_member_id"]
-    if author != workspace.member_id and author in parent_roster:
-        candidate = await server.db.run(messages.member_candidate, workspace.workspace_id, author)
-        if not (candidate.kind == "agent" and candidate.visibility == "private"):
-            members.append(MembershipMutation(author, "open"))
+    """The thread scope of a root message (scope-model §5.2).  Its first members:
+    the replier, the root's author, and the private agents the root addressed
+    (its live mentions and explicit recipients were authorized when it was
+    sent) — each only while it holds an open membership of the parent, with the
+    same visibility and owner as there.  Public members the root mentioned join
+    by replying, as before."""
+    parent_roster = await server.db.run(visibility.roster_entries, parent_id)
+    metadata = _metadata_of(root)
+    addressed = [member_id for member_id in (*metadata.get("mentions", ()), *metadata.get("recipients", ()))
+                 if member_id in parent_roster and parent_roster[member_id].kind == "agent"
+                 and parent_roster[member_id].visibility == "private"]
+    replier = parent_roster.get(workspace.member_id)
+    if replier is not None and replier.visibility == "private" and replier.member_id not in (
+            root["author_member_id"], *addressed):
+        raise _private_agent_not_admitted()
+    members = [_same_as_parent(replier) if replier else MembershipMutation(workspace.member_id, "open")]
+    members += [_same_as_parent(parent_roster[member_id])
+                for member_id in dict.fromkeys((root["author_member_id"], *addressed))
+                if member_id != workspace.member_id and member_id in parent_roster]
     new_thread_id = new_id("scp")
     thread_id = await _submit(server, new_thread_id, cmd.CreateScope(
         _actor(workspace), "thread", tuple(members), parent_scope_id=parent_id, root_message_id=root["id"]))
@@ -342,10 +365,24 @@ async def _open_thread(server: Server, workspace: WorkspaceContext, parent_id: s
     return thread_id
 
 
+def _same_as_parent(entry: RosterEntry) -> MembershipMutation:
+    return MembershipMutation(entry.member_id, "open", entry.visibility, entry.owner_member_id)
+
+
+def _private_agent_not_admitted() -> ProtocolError:
+    return ProtocolError(ErrorCode.FORBIDDEN, "a private agent enters a thread only when the thread's root or a "
+                         "message in it addresses it", details={"reason": "private_agent_not_admitted"})
+
+
 async def _ensure_thread_member(server: Server, workspace: WorkspaceContext, thread_id: str) -> None:
-    """Anyone who can read the parent may reply: replying joins the thread."""
+    """Anyone who can read the parent may reply: replying joins the thread —
+    except a private agent, which only the thread's messages admit (§5.2)."""
     membership = await server.db.run(visibility.viewer_membership, thread_id, workspace.member_id)
     if membership is None:
+        if workspace.member_kind == "agent":
+            candidate = await server.db.run(messages.member_candidate, workspace.workspace_id, workspace.member_id)
+            if candidate.visibility == "private":
+                raise _private_agent_not_admitted()
         try:
             await _submit(server, thread_id, cmd.ChangeMembers(_actor(workspace), "join_thread",
                                                                 (workspace.member_id,)))
@@ -380,15 +417,20 @@ async def message_forward(server: Server, connection: Connection, request: f.Mes
 
 async def _owner_quote(server: Server, workspace: WorkspaceContext, target: asyncpg.Record, sources: list,
                        request: f.MessageForward) -> f.MessageInfo:
-    """An owner shares what its own agents wrote, as explicit context: the quote
-    carries no live mentions, only the owner's comment is the message text."""
-    for source in sources:
-        author = await server.db.run(messages.member_candidate, workspace.workspace_id, source["author_member_id"])
-        if author.kind != "agent" or author.owner_member_id != workspace.member_id:
-            raise ProtocolError(ErrorCode.FORBIDDEN, "owner_quote shares only your own agents' messages")
+    """A human shares messages they can read into a scope they write, as
+    explicit context for their private agents there (collaborator-policy §4.3,
+    §8.7): the comment is the text, each quoted message is frozen with its
+    source and author, the quoted mentions stay inert, and nobody becomes a
+    collaborator."""
+    if workspace.member_kind != "human":
+        raise ProtocolError(ErrorCode.FORBIDDEN, "only a human member shares an owner_quote",
+                            details={"reason": "owner_quote_needs_human"})
+    quote = [{"source_message_id": s["id"], "source_scope_id": s["scope_id"], "source_seq": s["seq"],
+              "author_member_id": s["author_member_id"], "content": s["content"],
+              "created_at_ms": _ms(s["created_at"])} for s in sources]
     return await _send(server, workspace, target["id"], MessageIntent(
         scope_id=target["id"], content=request.comment, client_message_id=request.client_message_id,
-        message_type="owner_quote", metadata={"quoted_message_ids": [s["id"] for s in sources]},
+        message_type="owner_quote", metadata={"quote": quote, "shared_by_member_id": workspace.member_id},
         sources=tuple(SourceRef("owner_quote", s["id"], s["scope_id"], s["seq"]) for s in sources),
         mention_mode=MentionMode.EXPLICIT_CONTEXT))
 

@@ -137,9 +137,18 @@ class PushState:
         return True
 
     def skip(self, event: CommittedEvent) -> None:
-        # A message elsewhere in the workspace is the feed's next step, not a gap.
-        if (self._backlog is None and event.event == MESSAGE_CREATED and self.global_cursor is not None
-                and event.global_seq == self.global_cursor + 1 and event.scope_id not in self.scope_cursors):
+        # A message this member may not read (elsewhere in the workspace, or one a
+        # private agent may not read in a followed scope) is the next step of the
+        # cursor, not a gap: nothing to fill from the log.
+        if self._backlog is not None or event.event != MESSAGE_CREATED or event.seq is None:
+            return
+        cursor = self.scope_cursors.get(event.scope_id)
+        if cursor is not None:
+            if event.seq == cursor + 1:
+                self.scope_cursors[event.scope_id] = event.seq
+                if self.global_cursor is not None and event.global_seq == self.global_cursor + 1:
+                    self.global_cursor = event.global_seq
+        elif self.global_cursor is not None and event.global_seq == self.global_cursor + 1:
             self.global_cursor = event.global_seq
 
     def write(self, frames: list[bytes]) -> None:

@@ -239,6 +239,8 @@ def _metadata_for(plan: MessagePlan) -> dict[str, Any]:
     metadata = dict(plan.intent.metadata)
     if plan.live_mentions:
         metadata["mentions"] = list(plan.live_mentions)
+    if plan.recipients:
+        metadata["recipients"] = list(plan.recipients)
     if plan.intent.silent:
         metadata["silent"] = True
     return metadata
@@ -366,15 +368,17 @@ async def withdraw_message(conn: asyncpg.Connection, scope_id: str, message_id: 
 
 
 async def set_reaction(conn: asyncpg.Connection, workspace_id: str, scope_id: str, message_id: str, member_id: str,
-                       key: str, add: bool) -> bool:
+                       key: str, add: bool) -> tuple[bool, asyncpg.Record]:
     """Assert add/remove of (member, message, key); the last committed assertion
-    wins.  Returns whether the visible set changed.  Removal keeps no row."""
-    state = await conn.fetchval(
-        "SELECT state FROM scope_messages WHERE scope_id = $1 AND id = $2", scope_id, message_id
+    wins.  Returns whether the visible set changed, and the message's author,
+    global seq and commit time (who may hear of it).  Removal keeps no row."""
+    message = await conn.fetchrow(
+        "SELECT state, author_member_id, workspace_global_seq, created_at FROM scope_messages "
+        "WHERE scope_id = $1 AND id = $2", scope_id, message_id
     )
-    if state is None:
+    if message is None:
         raise NotFound("message")
-    if state == "withdrawn":
+    if message["state"] == "withdrawn":
         raise Conflict("message_withdrawn", "the message was withdrawn")
     if add:
         result = await conn.execute(
@@ -391,7 +395,7 @@ async def set_reaction(conn: asyncpg.Connection, workspace_id: str, scope_id: st
     if changed:
         await _activity_event(conn, workspace_id, scope_id, "reaction.added" if add else "reaction.removed",
                               "message", message_id, message_id, member_id, {"key": key})
-    return changed
+    return changed, message
 
 
 async def _activity_event(conn: asyncpg.Connection, workspace_id: str, scope_id: str, activity_type: str,

@@ -1,6 +1,6 @@
 """Message-domain reads: scope state for actors, and every member-facing read
 (history, permalink, reactions, read checks, inbox).  Who may read what is
-decided by storage/visibility.py alone; every read here uses its SQL and
+decided by the storage/visibility package alone; every read here uses its SQL and
 none re-implements it (a guardrail test checks that nothing here reads
 scope_memberships)."""
 
@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import base64
 import json
+from dataclasses import dataclass
+from datetime import datetime
 
 import asyncpg
 
+from domain.authority import ScopeAuthority
 from domain.plan import CommittedMessage, MentionCandidate, ScopeContext
 from storage import visibility
-from storage.visibility import ENTITLED_MEMBERSHIPS, message_readable_sql, scope_readable_sql
+from storage.visibility import ENTITLED_MEMBERSHIPS, message_visibility_sql, readable_join, scope_readable_sql
 from storage.errors import NotFound
 
 
@@ -36,14 +39,49 @@ async def load_scope_context(conn: asyncpg.Connection, scope_id: str) -> ScopeCo
     )
 
 
-async def mention_candidates(conn: asyncpg.Connection, workspace_id: str,
-                             handles: list[str]) -> dict[str, MentionCandidate]:
-    if not handles:
+@dataclass(frozen=True)
+class ActorView:
+    """What a scope actor caches: its scope, the thread's parent, and the private
+    authority windows of the owners of the private members of both."""
+
+    state: ScopeContext | None
+    parent: ScopeContext | None
+    authority: ScopeAuthority
+
+
+async def load_actor_view(conn: asyncpg.Connection, scope_id: str, state: ScopeContext | None = None) -> ActorView:
+    """The actor's view; with `state`, only the parent and the authority are read again."""
+    if state is None:
+        state = await load_scope_context(conn, scope_id)
+    if state is None:
+        return ActorView(None, None, ScopeAuthority())
+    parent = None
+    if state.type == "thread" and state.parent_scope_id is not None:
+        parent = await load_scope_context(conn, state.parent_scope_id)
+    chain = [state.scope_id] + ([parent.scope_id] if parent is not None else [])
+    owners = sorted({e.owner_member_id for context in (state, parent) if context is not None
+                     for e in context.roster.values() if e.visibility == "private" and e.owner_member_id})
+    return ActorView(state, parent, await visibility.scope_authority(conn, chain, owners))
+
+
+async def roster_generation(conn: asyncpg.Connection, scope_id: str) -> int | None:
+    return await conn.fetchval("SELECT roster_generation FROM scopes WHERE id = $1", scope_id)
+
+
+async def transaction_time(conn: asyncpg.Connection) -> datetime:
+    """now() of the running transaction: the time its messages are created at."""
+    return await conn.fetchval("SELECT now()")
+
+
+async def mention_candidates(conn: asyncpg.Connection, workspace_id: str, handles: list[str],
+                             member_ids: list[str] = ()) -> dict[str, MentionCandidate]:
+    """The members named by `handles` or `member_ids` (explicit recipients), by handle."""
+    if not handles and not member_ids:
         return {}
     rows = await conn.fetch(
         "SELECT id, handle, kind, status, visibility, owner_member_id FROM members "
-        "WHERE workspace_id = $1 AND handle = ANY($2::text[])",
-        workspace_id, handles,
+        "WHERE workspace_id = $1 AND (handle = ANY($2::text[]) OR id = ANY($3::text[]))",
+        workspace_id, handles, list(member_ids),
     )
     return {r["handle"]: MentionCandidate(r["id"], r["handle"], r["kind"], r["status"], r["visibility"],
                                           r["owner_member_id"]) for r in rows}
@@ -120,7 +158,7 @@ async def message_scope(conn: asyncpg.Connection, workspace_id: str, viewer: str
     """Which scope a message is in, only if the viewer may read it."""
     return await conn.fetchrow(
         f"SELECT m.scope_id, m.seq, m.author_member_id, m.state, m.revision FROM scope_messages m "
-        f"WHERE m.workspace_id = $1 AND m.id = $3 AND {message_readable_sql('m', '$2')} IS NOT NULL",
+        f"WHERE m.workspace_id = $1 AND m.id = $3 AND {message_visibility_sql('m', '$2')} IS NOT NULL",
         workspace_id, viewer, message_id,
     )
 
@@ -137,32 +175,65 @@ _MESSAGE_COLUMNS = (
 
 async def history(conn: asyncpg.Connection, workspace_id: str, viewer: str, scope_id: str, *,
                   before_seq: int | None, after_seq: int | None, limit: int) -> tuple[list[asyncpg.Record], bool]:
-    """A page of the scope's messages in seq order, and whether more exist in
-    the paging direction."""
+    """A page of the scope's messages the viewer may read, in seq order, and
+    whether more exist in the paging direction."""
+    authors = await visibility.private_reader_authors(conn, scope_id, viewer)
+    if authors is not None:
+        return await _private_history(conn, workspace_id, viewer, scope_id, authors, before_seq=before_seq,
+                                      after_seq=after_seq, limit=limit)
     if after_seq is not None:
         rows = await conn.fetch(
-            f"SELECT {_MESSAGE_COLUMNS}, {message_readable_sql('m', '$2')} AS visibility_reason FROM scope_messages m "
-            f"WHERE m.workspace_id = $1 AND m.scope_id = $3 AND m.seq > $4 "
-            f"AND {message_readable_sql('m', '$2')} IS NOT NULL "
+            f"SELECT {_MESSAGE_COLUMNS}, vis.visibility_reason, vis.grant_id FROM scope_messages m "
+            f"{readable_join('m', '$2')} WHERE m.workspace_id = $1 AND m.scope_id = $3 AND m.seq > $4 "
             f"ORDER BY m.seq LIMIT $5",
             workspace_id, viewer, scope_id, after_seq, limit + 1,
         )
         return list(rows[:limit]), len(rows) > limit
     rows = await conn.fetch(
-        f"SELECT {_MESSAGE_COLUMNS}, {message_readable_sql('m', '$2')} AS visibility_reason FROM scope_messages m "
-        f"WHERE m.workspace_id = $1 AND m.scope_id = $3 AND m.seq < $4 "
-        f"AND {message_readable_sql('m', '$2')} IS NOT NULL "
+        f"SELECT {_MESSAGE_COLUMNS}, vis.visibility_reason, vis.grant_id FROM scope_messages m "
+        f"{readable_join('m', '$2')} WHERE m.workspace_id = $1 AND m.scope_id = $3 AND m.seq < $4 "
         f"ORDER BY m.seq DESC LIMIT $5",
         workspace_id, viewer, scope_id, before_seq if before_seq is not None else 2**62, limit + 1,
     )
     return list(reversed(rows[:limit])), len(rows) > limit
 
 
+async def _private_history(conn: asyncpg.Connection, workspace_id: str, viewer: str, scope_id: str,
+                           authors: list[tuple[str, int, int | None]], *, before_seq: int | None,
+                           after_seq: int | None, limit: int) -> tuple[list[asyncpg.Record], bool]:
+    """history() for a private agent: per readable author, the newest (or oldest)
+    rows inside that author's window range, merged.  Within a scope, seq order
+    is workspace_global_seq order, so the seq bound becomes a global-seq bound
+    on the author index."""
+    forward = after_seq is not None
+    bound = await conn.fetchval(
+        "SELECT max(workspace_global_seq) FROM scope_messages WHERE scope_id = $1 AND seq <= $2" if forward else
+        "SELECT min(workspace_global_seq) FROM scope_messages WHERE scope_id = $1 AND seq >= $2",
+        scope_id, after_seq if forward else (before_seq if before_seq is not None else 2**62),
+    )
+    if forward:
+        window, order = "m.workspace_global_seq > coalesce($7::bigint, 0)", "ASC"
+    else:
+        window, order = "($7::bigint IS NULL OR m.workspace_global_seq < $7::bigint)", "DESC"
+    rows = await conn.fetch(
+        f"SELECT page.* FROM unnest($4::text[], $5::bigint[], $6::bigint[]) AS a(author, lo, hi) "
+        f"CROSS JOIN LATERAL (SELECT {_MESSAGE_COLUMNS}, vis.visibility_reason, vis.grant_id FROM scope_messages m "
+        f"{readable_join('m', '$2')} WHERE m.scope_id = $3 AND m.workspace_id = $1 AND m.author_member_id = a.author "
+        f"AND m.workspace_global_seq >= a.lo AND (a.hi IS NULL OR m.workspace_global_seq <= a.hi) AND {window} "
+        f"ORDER BY m.workspace_global_seq {order} LIMIT $8) page "
+        f"ORDER BY page.seq {order} LIMIT $8",
+        workspace_id, viewer, scope_id, [a[0] for a in authors], [a[1] for a in authors], [a[2] for a in authors],
+        bound, limit + 1,
+    )
+    page = list(rows[:limit])
+    return (page if forward else list(reversed(page))), len(rows) > limit
+
+
 async def message_for_viewer(conn: asyncpg.Connection, workspace_id: str, viewer: str,
                              message_id: str) -> asyncpg.Record | None:
     return await conn.fetchrow(
-        f"SELECT {_MESSAGE_COLUMNS}, {message_readable_sql('m', '$2')} AS visibility_reason FROM scope_messages m "
-        f"WHERE m.workspace_id = $1 AND m.id = $3 AND {message_readable_sql('m', '$2')} IS NOT NULL",
+        f"SELECT {_MESSAGE_COLUMNS}, vis.visibility_reason, vis.grant_id FROM scope_messages m "
+        f"{readable_join('m', '$2')} WHERE m.workspace_id = $1 AND m.id = $3",
         workspace_id, viewer, message_id,
     )
 
@@ -173,7 +244,7 @@ async def message_revisions(conn: asyncpg.Connection, workspace_id: str, viewer:
         f"SELECT r.revision, r.content, r.edited_by_member_id, r.created_at FROM scope_message_revisions r "
         f"JOIN scope_messages m ON m.scope_id = r.scope_id AND m.id = r.message_id "
         f"WHERE m.workspace_id = $1 AND m.id = $3 AND m.state = 'visible' "
-        f"AND {message_readable_sql('m', '$2')} IS NOT NULL "
+        f"AND {message_visibility_sql('m', '$2')} IS NOT NULL "
         f"ORDER BY r.revision",
         workspace_id, viewer, message_id,
     )
@@ -189,7 +260,7 @@ async def reaction_summaries(conn: asyncpg.Connection, workspace_id: str, viewer
         f"min(r.created_at) AS first_at FROM scope_message_reactions r "
         f"JOIN scope_messages m ON m.scope_id = r.scope_id AND m.id = r.message_id "
         f"WHERE m.workspace_id = $1 AND r.message_id = ANY($3::text[]) AND m.state = 'visible' "
-        f"AND {message_readable_sql('m', '$2')} IS NOT NULL GROUP BY r.message_id, r.reaction_key ORDER BY first_at",
+        f"AND {message_visibility_sql('m', '$2')} IS NOT NULL GROUP BY r.message_id, r.reaction_key ORDER BY first_at",
         workspace_id, viewer, message_ids,
     )
     summaries: dict[str, list[asyncpg.Record]] = {}
@@ -210,7 +281,7 @@ async def workspace_feed(conn: asyncpg.Connection, workspace_id: str, viewer: st
     """The viewer's readable messages across the workspace, by global seq."""
     return await conn.fetch(
         f"SELECT {_MESSAGE_COLUMNS} FROM scope_messages m WHERE m.workspace_id = $1 AND m.workspace_global_seq > $3 "
-        f"AND {message_readable_sql('m', '$2')} IS NOT NULL ORDER BY m.workspace_global_seq LIMIT $4",
+        f"AND {message_visibility_sql('m', '$2')} IS NOT NULL ORDER BY m.workspace_global_seq LIMIT $4",
         workspace_id, viewer, after_global_seq, limit,
     )
 
@@ -233,6 +304,7 @@ def decode_cursor(cursor: str) -> list | None:
 
 
 UNREAD_CAP = 1000  # counted exactly up to this, reported as "at least" beyond
+PREVIEW_SCAN = 200  # a private agent's Inbox preview: its latest readable message among the scope's last 200
 
 
 async def inbox(conn: asyncpg.Connection, workspace_id: str, viewer: str, *, after: list | None,
@@ -247,7 +319,8 @@ async def inbox(conn: asyncpg.Connection, workspace_id: str, viewer: str, *, aft
             SELECT s.id AS scope_id, s.type, s.latest_seq, s.parent_scope_id,
                    coalesce(s.latest_message_at, s.created_at) AS activity_at,
                    (c.pinned_at IS NOT NULL)::int AS pinned, c.manual_unread_at IS NOT NULL AS manual_unread,
-                   sm.last_read_seq, coalesce(n.state, 'active') AS notification_state,
+                   sm.last_read_seq, sm.visibility AS membership_visibility,
+                   coalesce(n.state, 'active') AS notification_state,
                    p.display_name, p.slug
             FROM {ENTITLED_MEMBERSHIPS} sm
             JOIN scopes s ON s.id = sm.scope_id
@@ -265,9 +338,16 @@ async def inbox(conn: asyncpg.Connection, workspace_id: str, viewer: str, *, aft
                last.state AS last_state,
                (SELECT count(*) FROM (SELECT 1 FROM scope_messages u WHERE u.scope_id = conv.scope_id
                  AND u.seq > conv.last_read_seq AND u.notify_principal_member_id <> $2 AND u.state = 'visible'
+                 AND (conv.membership_visibility = 'public' OR {message_visibility_sql('u', '$2')} IS NOT NULL)
                  LIMIT {UNREAD_CAP}) capped) AS unread_count
         FROM conv
-        LEFT JOIN scope_messages last ON last.scope_id = conv.scope_id AND last.seq = conv.latest_seq
+        -- The latest message the viewer reads (a private agent: among the last
+        -- {PREVIEW_SCAN} messages, so a preview never costs a scan of the scope).
+        LEFT JOIN LATERAL (SELECT l.id, l.author_member_id, l.state, l.content FROM scope_messages l
+                            WHERE l.scope_id = conv.scope_id AND l.seq > conv.latest_seq - {PREVIEW_SCAN}
+                              AND (conv.membership_visibility = 'public'
+                                   OR {message_visibility_sql('l', '$2')} IS NOT NULL)
+                            ORDER BY l.seq DESC LIMIT 1) last ON true
         WHERE $3::int IS NULL OR (conv.pinned, extract(epoch FROM conv.activity_at)::float8, conv.scope_id)
               < ($3::int, $4::float8, $5::text)
         ORDER BY conv.pinned DESC, activity_epoch DESC, conv.scope_id DESC

@@ -807,8 +807,8 @@ conversation_member_states = Table(
 
 # An owner's private-agent execution container on a channel, thread or explicit
 # task (§3.0).  Created lazily, only by the writes §3.0 lists (the first
-# collaborator, the first owner/collaborator wake, the first owner_quote share,
-# the owner opening management); an owner-only scope has none.
+# collaborator, the first owner/collaborator wake, the first owner_quote share;
+# never by a read: SPEC §5 decision 8); an owner-only scope has none.
 scope_executions = introduced_in(2, Table(
     "scope_executions",
     columns=(
@@ -829,7 +829,7 @@ scope_executions = introduced_in(2, Table(
         id_check("scope_executions", "id", "sex"),
         enum_check("scope_executions", "scope_type", ("channel", "thread", "explicit_task")),
         enum_check("scope_executions", "created_trigger",
-                   ("first_collaborator", "wake", "owner_quote", "management")),
+                   ("first_collaborator", "wake", "owner_quote")),
     ),
     foreign_keys=(
         tenant_fk("scope_executions", ("workspace_id", "scope_id"), "scopes", ("workspace_id", "id"), "scope"),

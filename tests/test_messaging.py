@@ -248,33 +248,6 @@ async def test_mentions_are_parsed_once_and_respect_authority(app: App, team):
         assert "mentions" not in multi.get("metadata", {})
         single = await b.call("message.forward", scope_id=channel["id"], source_message_ids=[sent["id"]], **ws)
         assert single["metadata"]["mentions"] == [bob.member_id]
-        # owner_quote: only one's own agents' output, as context without live mentions.
-        await expect_error("forbidden", b.call("message.forward", scope_id=channel["id"], mode="owner_quote",
-                                               source_message_ids=[sent["id"]], **ws))
-
-
-
-async def test_owner_quote_shares_own_agent_output_as_context(app: App, team):
-    alpha, _, bob, _ = team
-    ws = {"workspace_id": alpha.workspace_id}
-    async with await signed_in(app, alpha.owner) as owner:
-        agent = await owner.call("agent.create", handle="scribe", display_name="Scribe", **ws)
-        channel = await open_channel(owner, alpha.workspace_id, "quotes", [bob.member_id, agent["id"]])
-        key = await owner.call("apikey.create", name="scribe", member_id=agent["id"], **ws)
-        async with connect(app.url) as scribe:
-            await scribe.auth(api_key=key["key"])
-            output = await scribe.call("message.send", scope_id=channel["id"], content="@bob summary ready")
-            assert output["metadata"]["mentions"] == [bob.member_id]
-        quote = await owner.call("message.forward", scope_id=channel["id"], mode="owner_quote",
-                                 source_message_ids=[output["id"]], comment="see what my scribe found", **ws)
-        assert quote["message_type"] == "owner_quote" and "mentions" not in quote["metadata"]
-        assert quote["metadata"]["quoted_message_ids"] == [output["id"]]
-    sources = await app.db.run(lambda c: c.fetch(
-        "SELECT source_kind, source_message_id FROM scope_message_sources WHERE message_id = $1", quote["id"]))
-    assert [(r[0], r[1]) for r in sources] == [("owner_quote", output["id"])]
-    async with await signed_in(app, bob) as b:
-        await expect_error("forbidden", b.call("message.forward", scope_id=channel["id"], mode="owner_quote",
-                                               source_message_ids=[output["id"]], **ws))
 
 
 async def test_threads_and_private_agent_admission(app: App, team):
@@ -291,7 +264,8 @@ async def test_threads_and_private_agent_admission(app: App, team):
         assert thread_id != channel["id"] and reply["seq"] == 1
         # The private agent of the parent was admitted by the mention; the outsider was not.
         assert reply["metadata"]["mentions"] == [agent["id"]]
-        members = {m["member_id"]: m for m in (await owner.call("scope.members", scope_id=thread_id, **ws))["members"]}
+        members = {m["member_id"]: m for m in (await owner.call("scope.members", scope_id=thread_id,
+                                                                include_private=True, **ws))["members"]}
         assert members[agent["id"]]["visibility"] == "private"
         assert members[agent["id"]]["owner_member_id"] == alpha.owner.member_id
         assert outsider_agent["id"] not in members

@@ -3,14 +3,19 @@ events (SPEC rule 6).  Every read surface — history, permalink, revisions,
 reactions, inbox, scope.get / scope.members / channel.list, the workspace feed,
 subscribe and replay fills, read checks — and the fanout roster (the scope
 actor's roster, the outbox worker's, ephemeral signals) is decided here, in
-SQL.  No other module reads scope_memberships (a guardrail test checks it);
+SQL.  Nothing outside this package reads scope_memberships (a guardrail test checks it);
 the private-agent rules (owner-private visibility, grants, People
-collaborators) extend exactly this module.
+collaborators) live in this package.
 
-Today the rule is: a current (open) membership in the scope, held by a member
+Using a scope at all needs a current (open) membership in it, held by a member
 who is still active in the workspace.  The second half makes a removal take
 effect at once, before the actors have closed the member's intervals (and if
 the process died before they could: the departed-member sweep closes them).
+Which messages a member reads is the readable predicate's question
+(predicate.py): everything for a public member, the owner-private windows for
+a private agent.  authority.py loads the windows a scope actor caches; the
+package's other modules answer the owner-bounded collaborator views and the
+lazy `@` / context-state resolvers.
 """
 
 from __future__ import annotations
@@ -18,24 +23,29 @@ from __future__ import annotations
 import asyncpg
 
 from domain.plan import RosterEntry
+from storage.visibility.authority import scope_authority
+from storage.visibility.predicate import (
+    author_authority_sql,
+    entitled_for_message,
+    explain_message,
+    message_readable_sql,
+    message_visibility_sql,
+    private_reader_authors,
+    readable_join,
+    scope_readable_sql,
+)
+
+__all__ = [
+    "ENTITLED_MEMBERSHIPS", "author_authority_sql", "entitled_for_message", "entitled_roster", "explain_message",
+    "message_readable_sql", "message_visibility_sql", "private_reader_authors", "readable_join", "roster_entries", "scope_authority",
+    "scope_members", "scope_readable_sql", "viewer_membership",
+]
 
 # The memberships that grant reading and delivery, as a relation usable in any FROM.
 ENTITLED_MEMBERSHIPS = (
     "(SELECT em.* FROM scope_memberships em JOIN members emm ON emm.workspace_id = em.workspace_id "
     "AND emm.id = em.member_id WHERE em.effective_to_seq IS NULL AND emm.status = 'active')"
 )
-
-
-def message_readable_sql(message: str = "m", viewer: str = "$2") -> str:
-    """SQL yielding the visibility reason (text) of `message` for `viewer`, or NULL."""
-    return f"(CASE WHEN {scope_readable_sql(f'{message}.scope_id', viewer, by_id=True)} THEN 'membership' END)"
-
-
-def scope_readable_sql(scope: str = "s", viewer: str = "$2", *, by_id: bool = False) -> str:
-    """SQL: may `viewer` read the scope `scope` (a scopes alias, or an id expression with by_id)."""
-    scope_id = scope if by_id else f"{scope}.id"
-    return (f"EXISTS (SELECT 1 FROM {ENTITLED_MEMBERSHIPS} rv "
-            f"WHERE rv.scope_id = {scope_id} AND rv.member_id = {viewer})")
 
 
 async def entitled_roster(conn: asyncpg.Connection, scope_id: str) -> frozenset[str]:
@@ -55,20 +65,22 @@ async def roster_entries(conn: asyncpg.Connection, scope_id: str) -> dict[str, R
                                         r["last_read_seq"]) for r in rows}
 
 
-async def scope_members(conn: asyncpg.Connection, scope_id: str) -> list[asyncpg.Record]:
-    """Current members; private members carry their owner (shown only as private)."""
+async def scope_members(conn: asyncpg.Connection, scope_id: str, *,
+                        include_private: bool = False) -> list[asyncpg.Record]:
+    """Current public members; with include_private also the private ones, which
+    carry their owner (scope-model §3.3: a public list never shows them)."""
     return await conn.fetch(
         f"SELECT r.member_id, mem.handle, mem.display_name, mem.kind, r.visibility, r.owner_member_id, "
         f"r.effective_from_seq FROM {ENTITLED_MEMBERSHIPS} r JOIN members mem ON mem.workspace_id = r.workspace_id "
-        f"AND mem.id = r.member_id WHERE r.scope_id = $1 ORDER BY r.member_id",
-        scope_id,
+        f"AND mem.id = r.member_id WHERE r.scope_id = $1 AND ($2 OR r.visibility = 'public') ORDER BY r.member_id",
+        scope_id, include_private,
     )
 
 
 async def viewer_membership(conn: asyncpg.Connection, scope_id: str, viewer: str) -> asyncpg.Record | None:
     """The viewer's read state in the scope, if the membership grants reading."""
     return await conn.fetchrow(
-        f"SELECT r.last_read_seq, r.effective_from_seq FROM {ENTITLED_MEMBERSHIPS} r "
+        f"SELECT r.last_read_seq, r.effective_from_seq, r.visibility, r.owner_member_id FROM {ENTITLED_MEMBERSHIPS} r "
         f"WHERE r.scope_id = $1 AND r.member_id = $2",
         scope_id, viewer,
     )

@@ -1,0 +1,217 @@
+"""The one readable predicate (SPEC rule 6; scope-model.md §3.9), in SQL.
+
+`message_visibility_sql(m, viewer)` is a text expression: NULL when `viewer`
+may not read message `m`, else its visibility reason, followed by ':' and the
+grant or collaborator id when one made it readable ('grant:grt_…').
+
+- A public member (open membership with visibility 'public', member active)
+  reads every message of the scope: 'membership'.
+- A private member (a private agent, owner O) reads a message of the scope only
+  inside one of its own membership intervals, and only when the author is the
+  agent itself ('own_output'), O ('owner'), another private agent of O inside
+  its own private interval ('same_owner_agent'), or a member inside one of O's
+  grant ('grant') or People collaborator ('collaborator') windows on the
+  scope's chain (the scope, and for a thread its parent channel; never a
+  sibling).  A window covers a message by workspace_global_seq, and an expiring
+  one only while created_at < expires_at: revocation and expiry are never
+  retroactive in either direction.
+- A private agent also reads, in any scope, the source of an owner_quote that
+  its owner wrote inside the agent's interval of the quote's scope
+  ('source_ref').
+
+COALESCE and CASE evaluate lazily, so a public member pays one index probe per
+row and nothing of the private branches.
+"""
+
+from __future__ import annotations
+
+import asyncpg
+
+# A member whose membership is closed or who left the workspace reads nothing.
+_ACTIVE = "EXISTS (SELECT 1 FROM members xm WHERE xm.workspace_id = {ms}.workspace_id AND xm.id = {ms}.member_id " \
+          "AND xm.status = 'active')"
+
+
+def _window(row: str, message: str) -> str:
+    return (f"{message}.workspace_global_seq >= {row}.effective_from_global_seq "
+            f"AND ({row}.effective_to_global_seq IS NULL OR {message}.workspace_global_seq <= {row}.effective_to_global_seq) "
+            f"AND ({row}.expires_at IS NULL OR {message}.created_at < {row}.expires_at)")
+
+
+def _chain(message: str) -> str:
+    """The scope of `message` and, for a thread, its parent: where authority for it may come from."""
+    return f"({message}.scope_id, (SELECT cs.parent_scope_id FROM scopes cs WHERE cs.id = {message}.scope_id))"
+
+
+def _in_interval(member: str, message: str) -> str:
+    return (f"EXISTS (SELECT 1 FROM scope_memberships iv WHERE iv.scope_id = {message}.scope_id "
+            f"AND iv.member_id = {member} AND {message}.seq >= iv.effective_from_seq "
+            f"AND (iv.effective_to_seq IS NULL OR {message}.seq <= iv.effective_to_seq))")
+
+
+def author_authority_sql(message: str, owner: str) -> str:
+    """Text 'grant:<id>' / 'collaborator:<id>' when `message`'s author wrote it inside
+    one of `owner`'s windows on the message's chain, else NULL."""
+    return (
+        f"COALESCE((SELECT 'grant:' || g.id FROM scope_private_grants g WHERE g.scope_id IN {_chain(message)} "
+        f"AND g.owner_member_id = {owner} AND g.grantee_member_id = {message}.author_member_id "
+        f"AND {_window('g', message)} ORDER BY g.created_at LIMIT 1), "
+        f"(SELECT 'collaborator:' || p.id FROM scope_executions e JOIN task_scope_participant_metadata p "
+        f"ON p.owner_scope_execution_id = e.id WHERE e.scope_id IN {_chain(message)} "
+        f"AND e.owner_member_id = {owner} AND p.member_id = {message}.author_member_id "
+        f"AND {_window('p', message)} ORDER BY p.added_at LIMIT 1))"
+    )
+
+
+def message_visibility_sql(message: str = "m", viewer: str = "$2") -> str:
+    public = (f"(SELECT 'membership' FROM scope_memberships pm WHERE pm.scope_id = {message}.scope_id "
+              f"AND pm.member_id = {viewer} AND pm.effective_to_seq IS NULL AND pm.visibility = 'public' "
+              f"AND {_ACTIVE.format(ms='pm')})")
+    private = (
+        f"(SELECT CASE WHEN {message}.author_member_id = om.member_id THEN 'own_output' "
+        f"WHEN {message}.author_member_id = om.owner_member_id THEN 'owner' "
+        f"WHEN EXISTS (SELECT 1 FROM scope_memberships am WHERE am.scope_id = {message}.scope_id "
+        f"AND am.member_id = {message}.author_member_id AND am.visibility = 'private' "
+        f"AND am.owner_member_id = om.owner_member_id AND {message}.seq >= am.effective_from_seq "
+        f"AND (am.effective_to_seq IS NULL OR {message}.seq <= am.effective_to_seq)) THEN 'same_owner_agent' "
+        f"ELSE {author_authority_sql(message, 'om.owner_member_id')} END "
+        f"FROM scope_memberships om WHERE om.scope_id = {message}.scope_id AND om.member_id = {viewer} "
+        f"AND om.effective_to_seq IS NULL AND om.visibility = 'private' AND {_ACTIVE.format(ms='om')} "
+        f"AND {_in_interval(viewer, message)})"
+    )
+    source = (
+        f"(SELECT 'source_ref' FROM members vm WHERE vm.workspace_id = {message}.workspace_id AND vm.id = {viewer} "
+        f"AND vm.kind = 'agent' AND vm.visibility = 'private' AND vm.status = 'active' AND EXISTS ("
+        f"SELECT 1 FROM scope_message_sources src JOIN scope_messages q ON q.scope_id = src.target_scope_id "
+        f"AND q.id = src.message_id JOIN scope_memberships qm ON qm.scope_id = q.scope_id AND qm.member_id = vm.id "
+        f"AND qm.effective_to_seq IS NULL AND qm.visibility = 'private' "
+        f"WHERE src.workspace_id = {message}.workspace_id AND src.source_message_id = {message}.id "
+        f"AND src.source_kind = 'owner_quote' AND q.author_member_id = vm.owner_member_id "
+        f"AND {_in_interval('vm.id', 'q')}))"
+    )
+    return f"COALESCE({public}, {private}, {source})"
+
+
+def readable_join(message: str = "m", viewer: str = "$2") -> str:
+    """A join clause keeping only the rows of `message` that `viewer` may read;
+    it names their reason `vis.visibility_reason` and the grant `vis.grant_id`."""
+    return (f"CROSS JOIN LATERAL (SELECT split_part(v.value, ':', 1) AS visibility_reason, "
+            f"nullif(split_part(v.value, ':', 2), '') AS grant_id FROM (SELECT "
+            f"{message_visibility_sql(message, viewer)} AS value) v WHERE v.value IS NOT NULL) vis")
+
+
+def message_readable_sql(message: str = "m", viewer: str = "$2") -> str:
+    """SQL yielding the visibility reason (text) of `message` for `viewer`, or NULL."""
+    return f"split_part({message_visibility_sql(message, viewer)}, ':', 1)"
+
+
+def scope_readable_sql(scope: str = "s", viewer: str = "$2", *, by_id: bool = False) -> str:
+    """SQL: may `viewer` use the scope `scope` at all (an open membership, public or
+    private, of an active member)?  Which of its messages it reads is
+    message_visibility_sql's question."""
+    scope_id = scope if by_id else f"{scope}.id"
+    return (f"EXISTS (SELECT 1 FROM scope_memberships rv WHERE rv.scope_id = {scope_id} AND rv.member_id = {viewer} "
+            f"AND rv.effective_to_seq IS NULL AND {_ACTIVE.format(ms='rv')})")
+
+
+# --- the fanout side ------------------------------------------------------------------------------
+
+async def entitled_for_message(conn: asyncpg.Connection, scope_id: str, message_id: str) -> frozenset[str]:
+    """Who receives this message's events: the open public members, and the open
+    private members who may read it (the outbox worker's replay)."""
+    rows = await conn.fetch(
+        f"SELECT r.member_id FROM scope_memberships r JOIN scope_messages m ON m.scope_id = r.scope_id AND m.id = $2 "
+        f"WHERE r.scope_id = $1 AND r.effective_to_seq IS NULL AND {_ACTIVE.format(ms='r')} "
+        f"AND (r.visibility = 'public' OR {message_visibility_sql('m', 'r.member_id')} IS NOT NULL)",
+        scope_id, message_id,
+    )
+    return frozenset(r["member_id"] for r in rows)
+
+
+# --- diagnostics ------------------------------------------------------------------------------------
+
+async def explain_message(conn: asyncpg.Connection, workspace_id: str, viewer: str,
+                          message_id: str) -> asyncpg.Record | None:
+    """Why `viewer` may (or may not) read the message: the reason and grant, the
+    viewer's membership interval in the message's scope that contains it, the
+    grant or collaborator window, and the quoted source for 'source_ref'.
+    None when the message does not exist in the workspace."""
+    return await conn.fetchrow(
+        f"""
+        SELECT m.id AS message_id, m.scope_id, m.seq, m.workspace_global_seq, m.author_member_id,
+               split_part(v.value, ':', 1) AS reason, nullif(split_part(v.value, ':', 2), '') AS grant_id,
+               iv.effective_from_seq, iv.effective_to_seq, iv.visibility AS membership_visibility,
+               coalesce(g.scope_id, e.scope_id) AS window_scope_id,
+               coalesce(g.effective_from_global_seq, p.effective_from_global_seq) AS window_from_global_seq,
+               coalesce(g.effective_to_global_seq, p.effective_to_global_seq) AS window_to_global_seq,
+               coalesce(g.expires_at, p.expires_at) AS window_expires_at,
+               (SELECT src.message_id FROM scope_message_sources src WHERE split_part(v.value, ':', 1) = 'source_ref'
+                  AND src.workspace_id = m.workspace_id AND src.source_message_id = m.id
+                  AND src.source_kind = 'owner_quote' ORDER BY src.created_at LIMIT 1) AS quoted_by_message_id
+        FROM scope_messages m
+        CROSS JOIN LATERAL (SELECT {message_visibility_sql('m', '$2')} AS value) v
+        LEFT JOIN scope_memberships iv ON iv.scope_id = m.scope_id AND iv.member_id = $2
+             AND m.seq >= iv.effective_from_seq AND (iv.effective_to_seq IS NULL OR m.seq <= iv.effective_to_seq)
+        LEFT JOIN scope_private_grants g ON split_part(v.value, ':', 1) = 'grant'
+             AND g.id = nullif(split_part(v.value, ':', 2), '')
+        LEFT JOIN task_scope_participant_metadata p ON split_part(v.value, ':', 1) = 'collaborator'
+             AND p.id = nullif(split_part(v.value, ':', 2), '')
+        LEFT JOIN scope_executions e ON e.id = p.owner_scope_execution_id
+        WHERE m.workspace_id = $1 AND m.id = $3
+        ORDER BY iv.effective_from_seq DESC NULLS LAST LIMIT 1
+        """,
+        workspace_id, viewer, message_id,
+    )
+
+
+# --- a private reader's history, without scanning what it cannot read -------------------------------
+
+async def private_reader_authors(conn: asyncpg.Connection, scope_id: str,
+                                 viewer: str) -> list[tuple[str, int, int | None]] | None:
+    """None unless `viewer` holds an open private membership of the scope; else
+    the authors it may read there, each with the global-seq range its windows
+    span [lo, hi] (hi None: open).  History then reads each author's rows
+    through scope_messages_scope_author_idx inside that range instead of
+    scanning the scope: cost follows what the agent reads, not the scope's size
+    (the exact predicate still filters every row)."""
+    rows = await conn.fetch(
+        """
+        WITH reader AS (
+            SELECT om.owner_member_id AS owner,
+                   (SELECT min(iv.effective_from_seq) FROM scope_memberships iv
+                     WHERE iv.scope_id = $1 AND iv.member_id = $2) AS first_seq
+              FROM scope_memberships om
+             WHERE om.scope_id = $1 AND om.member_id = $2 AND om.effective_to_seq IS NULL
+               AND om.visibility = 'private'
+        ), chain AS (
+            SELECT $1::text AS id
+            UNION ALL SELECT s.parent_scope_id FROM scopes s WHERE s.id = $1 AND s.parent_scope_id IS NOT NULL
+        ), floor AS (
+            SELECT coalesce((SELECT min(m.workspace_global_seq) FROM scope_messages m
+                              WHERE m.scope_id = $1 AND m.seq >= reader.first_seq), 0) AS lo FROM reader
+        ), authors AS (
+            SELECT $2::text AS author, 0::bigint AS lo, NULL::bigint AS hi FROM reader
+            UNION ALL SELECT reader.owner, 0, NULL FROM reader
+            UNION ALL SELECT am.member_id, 0, NULL FROM scope_memberships am, reader
+             WHERE am.scope_id = $1 AND am.visibility = 'private' AND am.owner_member_id = reader.owner
+            UNION ALL SELECT g.grantee_member_id, g.effective_from_global_seq,
+                             CASE WHEN g.expires_at IS NULL OR g.effective_to_global_seq IS NOT NULL
+                                  THEN g.effective_to_global_seq END
+              FROM scope_private_grants g, reader
+             WHERE g.scope_id IN (SELECT id FROM chain) AND g.owner_member_id = reader.owner
+            UNION ALL SELECT p.member_id, p.effective_from_global_seq,
+                             CASE WHEN p.expires_at IS NULL OR p.effective_to_global_seq IS NOT NULL
+                                  THEN p.effective_to_global_seq END
+              FROM scope_executions e JOIN task_scope_participant_metadata p ON p.owner_scope_execution_id = e.id,
+                   reader
+             WHERE e.scope_id IN (SELECT id FROM chain) AND e.owner_member_id = reader.owner
+        )
+        SELECT a.author, greatest(min(a.lo), (SELECT lo FROM floor)) AS lo,
+               CASE WHEN bool_or(a.hi IS NULL) THEN NULL ELSE max(a.hi) END AS hi
+          FROM authors a GROUP BY a.author
+        """,
+        scope_id, viewer,
+    )
+    if not rows:
+        return None
+    return [(r["author"], r["lo"], r["hi"]) for r in rows]

@@ -1,0 +1,218 @@
+"""Owner-private visibility and wake authority over the WebSocket against
+PostgreSQL (scope-model.md §2.4, §3.5, §3.9, §5; collaborator-policy.md §4, §5;
+SPEC rules 6, 7 and §5 decisions 2, 7, 9): what a private agent reads on every
+surface and receives live, who may address it, and what an ordinary send costs."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterator
+
+import pytest
+import trio
+
+from client import connect
+from tests.conftest import App, add_person
+from tests.test_messaging import open_channel
+from tests.test_tenancy import expect_error, signed_in
+
+AUTHORITY_TABLES = re.compile(
+    r"\b(scope_private_grants|scope_executions|task_scope_participant_metadata|task_collaborator_\w+)\b")
+
+
+@pytest.fixture
+async def world(app: App, tenants, member_password_hash):
+    """Alpha's owner with a private agent in a channel shared with Bob and Carol."""
+    alpha, _ = tenants
+    bob = await add_person(app.db, alpha.workspace_id, "bob@example.com", "developer", member_password_hash)
+    carol = await add_person(app.db, alpha.workspace_id, "carol@example.com", "developer", member_password_hash)
+    ws = {"workspace_id": alpha.workspace_id}
+    async with await signed_in(app, alpha.owner) as owner:
+        agent = await owner.call("agent.create", handle="scout", display_name="Scout", **ws)
+        channel = await open_channel(owner, alpha.workspace_id, "project", [bob.member_id, carol.member_id,
+                                                                              agent["id"]])
+        key = await owner.call("apikey.create", name="scout", member_id=agent["id"], **ws)
+    return alpha, bob, carol, agent, channel, key["key"], ws
+
+
+@contextlib.asynccontextmanager
+async def as_agent(app: App, key: str):
+    async with connect(app.url) as conn:
+        await conn.auth(api_key=key)
+        yield conn
+
+
+async def _history(conn, scope_id: str, ws: dict, **paging) -> list[str]:
+    return [m["content"] for m in (await conn.call("message.history", scope_id=scope_id, **paging, **ws))["messages"]]
+
+
+async def _drain(conn, count: int) -> list[dict]:
+    """The next `count` message.created events (bounded wait: a missing one fails)."""
+    events = []
+    with trio.fail_after(20):
+        while len(events) < count:
+            event = await conn.next_event()
+            if event["event"] == "message.created":
+                events.append(event)
+    return events
+
+
+async def test_a_private_agent_reads_what_its_owner_and_grantees_wrote_and_nothing_else(app: App, world):
+    alpha, bob, carol, agent, channel, key, ws = world
+    scope = channel["id"]
+    async with (await signed_in(app, alpha.owner) as owner, await signed_in(app, bob) as b,
+                await signed_in(app, carol) as c, as_agent(app, key) as scout):
+        await scout.call("subscribe", scopes=[{"scope_id": scope, "after_seq": 0}], **ws)
+        await owner.call("message.send", scope_id=scope, content="owner 1", **ws)
+        bob_before = await b.call("message.send", scope_id=scope, content="bob before the grant", **ws)
+        grant = await owner.call("private_grant.create", scope_id=scope, grantee_member_id=bob.member_id, **ws)
+        bob_during = await b.call("message.send", scope_id=scope, content="bob granted", **ws)
+        await c.call("message.send", scope_id=scope, content="carol never", **ws)
+        await scout.call("message.send", scope_id=scope, content="scout output", **ws)
+        await owner.call("private_grant.revoke", grant_id=grant["id"], **ws)
+        await b.call("message.send", scope_id=scope, content="bob after revoke", **ws)
+        await owner.call("message.send", scope_id=scope, content="owner 2", **ws)
+
+        readable = ["owner 1", "bob granted", "scout output", "owner 2"]
+        # Live: exactly the readable messages, in order, nothing else.
+        assert [e["data"]["content"] for e in await _drain(scout, 4)] == readable
+        with trio.move_on_after(0.5):
+            extra = await scout.next_event()
+            pytest.fail(f"unexpected event {extra}")
+        # Every read surface agrees.
+        assert await _history(scout, scope, ws) == readable
+        assert await _history(scout, scope, ws, after_seq=0, limit=2) == readable[:2]
+        assert await _history(scout, scope, ws, before_seq=7, limit=2) == readable[1:3]
+        await expect_error("not_found", scout.call("message.get", message_id=bob_before["id"], **ws))
+        assert (await scout.call("message.get", message_id=bob_during["id"], **ws))["message"]["content"] == \
+            "bob granted"
+        # Reactions exist only on what it reads (and it can react only there).
+        await c.call("reaction.add", message_id=bob_before["id"], key=":eyes:", **ws)
+        await c.call("reaction.add", message_id=bob_during["id"], key=":eyes:", **ws)
+        await expect_error("not_found", scout.call("reaction.add", message_id=bob_before["id"], key=":+1:", **ws))
+        page = await scout.call("message.history", scope_id=scope, **ws)
+        assert [len(m.get("reactions", [])) for m in page["messages"]] == [0, 1, 0, 0]
+        # Revocation was not retroactive: the window keeps what it covered.
+        assert "bob granted" in await _history(scout, scope, ws)
+        # The humans still read everything.
+        assert len(await _history(b, scope, ws)) == 7
+    # A reconnecting agent replays exactly the same set from its cursor.
+    async with as_agent(app, key) as scout:
+        await scout.call("subscribe", scopes=[{"scope_id": scope, "after_seq": 0}], **ws)
+        assert [e["data"]["content"] for e in await _drain(scout, 4)] == readable
+
+
+async def test_threads_inherit_the_parent_channel_authority_never_a_siblings(app: App, world):
+    alpha, bob, carol, agent, channel, key, ws = world
+    scope = channel["id"]
+    async with (await signed_in(app, alpha.owner) as owner, await signed_in(app, bob) as b,
+                await signed_in(app, carol) as c, as_agent(app, key) as scout):
+        roots = [await owner.call("message.send", scope_id=scope, content=f"root {i} @scout", **ws)
+                 for i in range(2)]
+        first = await owner.call("thread.reply", scope_id=scope, root_message_id=roots[0]["id"],
+                                 content="@scout thread one", **ws)
+        second = await owner.call("thread.reply", scope_id=scope, root_message_id=roots[1]["id"],
+                                  content="@scout thread two", **ws)
+        t1, t2 = first["scope_id"], second["scope_id"]
+        # A grant on thread one covers thread one only.
+        await owner.call("private_grant.create", scope_id=t1, grantee_member_id=bob.member_id, **ws)
+        await b.call("thread.reply", scope_id=scope, root_message_id=roots[0]["id"], content="bob in one", **ws)
+        await b.call("thread.reply", scope_id=scope, root_message_id=roots[1]["id"], content="bob in two", **ws)
+        await b.call("message.send", scope_id=scope, content="bob in the channel", **ws)
+        # A grant on the channel covers the channel and every thread under it.
+        await owner.call("private_grant.create", scope_id=scope, grantee_member_id=carol.member_id, **ws)
+        await c.call("thread.reply", scope_id=scope, root_message_id=roots[1]["id"], content="carol in two", **ws)
+        await c.call("message.send", scope_id=scope, content="carol in the channel", **ws)
+        assert await _history(scout, t1, ws) == ["@scout thread one", "bob in one"]
+        assert await _history(scout, t2, ws) == ["@scout thread two", "carol in two"]
+        assert await _history(scout, scope, ws) == ["root 0 @scout", "root 1 @scout", "carol in the channel"]
+
+
+async def test_only_the_owner_grantees_and_collaborators_may_address_a_private_agent(app: App, world):
+    alpha, bob, carol, agent, channel, key, ws = world
+    scope = channel["id"]
+
+    async def executions() -> int:
+        return await app.db.run(lambda conn: conn.fetchval("SELECT count(*) FROM scope_executions"))
+
+    async with (await signed_in(app, alpha.owner) as owner, await signed_in(app, bob) as b,
+                await signed_in(app, carol) as c):
+        plain = await owner.call("message.send", scope_id=scope, content="an ordinary message", **ws)
+        assert "mentions" not in plain.get("metadata", {}) and await executions() == 0  # ordinary: no execution
+        # Bob has no authority: the mention stays plain text, an explicit recipient is refused.
+        denied = await b.call("message.send", scope_id=scope, content="@scout do my bidding", **ws)
+        assert "mentions" not in denied.get("metadata", {})
+        error = await expect_error("forbidden", b.call("message.send", scope_id=scope, content="psst",
+                                                       recipient_member_ids=[agent["id"]], **ws))
+        assert error.details["reason"] == "recipient_not_addressable"
+        # The owner wakes it: a Scope Execution appears (trigger: wake).
+        woken = await owner.call("message.send", scope_id=scope, content="@scout summarize", **ws)
+        assert woken["metadata"]["mentions"] == [agent["id"]]
+        assert await app.db.run(lambda conn: conn.fetchval("SELECT created_trigger FROM scope_executions")) == "wake"
+        # A grantee may, and an explicit recipient is recorded by the server.
+        await owner.call("private_grant.create", scope_id=scope, grantee_member_id=bob.member_id, **ws)
+        granted = await b.call("message.send", scope_id=scope, content="over to you", recipient_member_ids=[agent["id"]],
+                               **ws)
+        assert granted["metadata"]["recipients"] == [agent["id"]]
+        # A People collaborator may (Carol, on the channel, confirmed, no expiry).
+        await expect_error("invalid", owner.call("collaborator.add", scope_id=scope, member_id=carol.member_id, **ws))
+        collaborator = await owner.call("collaborator.add", scope_id=scope, member_id=carol.member_id,
+                                        confirm_channel=True, no_expiry=True, **ws)
+        assert (await c.call("message.send", scope_id=scope, content="@scout please", **ws))["metadata"]["mentions"] \
+            == [agent["id"]]
+        await owner.call("collaborator.remove", collaborator_id=collaborator["id"], **ws)
+        assert "mentions" not in (await c.call("message.send", scope_id=scope, content="@scout again?",
+                                               **ws)).get("metadata", {})
+        # A client cannot forge routing: metadata.mentions / recipients are the server's.
+        await expect_error("invalid", c.call("message.send", scope_id=scope, content="x",
+                                             metadata={"recipients": [agent["id"]]}, **ws))
+    assert await executions() == 1  # one per (owner, scope): later wakes reuse it
+
+
+def _actor_statements(app: App, monkeypatch: pytest.MonkeyPatch) -> tuple[list[str], contextlib.AbstractContextManager]:
+    """Every statement the scope actors' batch transactions run while the context is open."""
+    captured: list[str] = []
+
+    def logging(method):
+        async def run(*args, **kwargs):
+            units = [i for i, a in enumerate(args) if getattr(a, "__name__", "") == "_apply_batch"]
+            if not units:
+                return await method(*args, **kwargs)
+            index = units[0]
+            batch = args[index]
+
+            async def logged(conn, *unit_args):
+                with conn.query_logger(lambda record: captured.append(record.query)):
+                    return await batch(conn, *unit_args)
+
+            return await method(*args[:index], logged, *args[index + 1:], **kwargs)
+        return run
+
+    @contextlib.contextmanager
+    def capturing() -> Iterator[None]:
+        with monkeypatch.context() as patch:
+            patch.setattr(app.db, "transaction", logging(app.db.transaction))
+            patch.setattr(app.db, "transaction_overlapping", logging(app.db.transaction_overlapping))
+            yield
+    return captured, capturing()
+
+
+async def test_an_ordinary_send_touches_no_authority_table(app: App, world, monkeypatch):
+    """SPEC §5 decision 9: the send path authorizes from the actor's cache — even
+    in a scope with private agents, grants and collaborators, an ordinary send
+    (a thread reply included) reads no grant or collaborator row."""
+    alpha, bob, carol, agent, channel, key, ws = world
+    scope = channel["id"]
+    async with await signed_in(app, alpha.owner) as owner, await signed_in(app, bob) as b:
+        await owner.call("private_grant.create", scope_id=scope, grantee_member_id=bob.member_id, **ws)
+        await owner.call("collaborator.add", scope_id=scope, member_id=carol.member_id, confirm_channel=True,
+                         no_expiry=True, **ws)
+        root = await owner.call("message.send", scope_id=scope, content="warm the actor @scout", **ws)
+        await b.call("thread.reply", scope_id=scope, root_message_id=root["id"], content="warm the thread", **ws)
+        captured, capturing = _actor_statements(app, monkeypatch)
+        with capturing:
+            await b.call("message.send", scope_id=scope, content="ordinary", **ws)
+            await b.call("thread.reply", scope_id=scope, root_message_id=root["id"], content="ordinary reply", **ws)
+        assert captured, "the capture saw the actors' transactions"
+        assert [s for s in captured if AUTHORITY_TABLES.search(s)] == []
