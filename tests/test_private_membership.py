@@ -210,3 +210,27 @@ async def test_member_lists_show_private_members_only_when_asked(app: App, team)
         assert set(await _members(owner, dm["id"], ws)) == {alpha.owner.member_id}
         in_dm = await _members(owner, dm["id"], ws, include_private=True)
         assert in_dm[helper["id"]]["owner_member_id"] == alpha.owner.member_id
+
+
+async def test_owner_quote_caps_frozen_text_and_replays_after_the_source_changes(app: App, team):
+    """A frozen quote keeps at most QUOTE_FROZEN_CHARS of each source (marked
+    truncated), and its digest covers the source refs, not the frozen copies:
+    a retry after the source was edited replays the original share; the first
+    share by an owner into a channel creates the owner's Scope Execution."""
+    from server.messaging import QUOTE_FROZEN_CHARS
+
+    alpha, _, bob, _ = team
+    ws = {"workspace_id": alpha.workspace_id}
+    async with await signed_in(app, alpha.owner) as owner, await signed_in(app, bob) as b:
+        channel = await open_channel(owner, alpha.workspace_id, "quotes", [bob.member_id])
+        long = await b.call("message.send", scope_id=channel["id"], content="x" * (QUOTE_FROZEN_CHARS + 500), **ws)
+        share = dict(scope_id=channel["id"], mode="owner_quote", source_message_ids=[long["id"]],
+                     client_message_id="share-1", **ws)
+        first = await owner.call("message.forward", **share)
+        frozen = first["metadata"]["quote"][0]
+        assert len(frozen["content"]) == QUOTE_FROZEN_CHARS and frozen["truncated"] is True
+        await b.call("message.edit", message_id=long["id"], content="short now", expected_revision=1, **ws)
+        retry = await owner.call("message.forward", **share)
+        assert (retry["id"], retry["replayed"]) == (first["id"], True)
+    assert await _count(app, "SELECT count(*) FROM scope_executions WHERE owner_member_id = $1 AND scope_id = $2 "
+                        "AND created_trigger = 'owner_quote'", alpha.owner.member_id, channel["id"]) == 1

@@ -215,6 +215,7 @@ async def test_every_event_type_is_produced_with_its_typed_payload(app: App, ten
         await owner.call("presence", state="online", **ws)
         await b.call("read.mark", seq=1, **scope)
         await b.call("notification.set", state="quiet", **scope)
+        await owner.call("collaborator.add", member_id=bob.member_id, confirm_channel=True, no_expiry=True, **scope)
         await owner.call("member.remove", member_id=carol.member_id, **ws)  # closes with reason "departed"
         await owner.call("message.withdraw", message_id=message["id"], **ws)
         await owner.call("scope.archive", **scope)

@@ -88,3 +88,13 @@ async def test_constraints_hold_in_the_database(db: Database):
     with pytest.raises(asyncpg.CheckViolationError):
         await db.run(lambda c: c.execute(
             "INSERT INTO accounts (id, email_normalized, display_name) VALUES ('acc_00000000000000', 'A@B.C', 'A')"))
+
+
+async def test_a_version_1_database_migrates_to_the_current_schema(empty_database_dsn: str):
+    """Existing installations upgrade in place: the real version-1 schema, then
+    every later version, ends exactly where a fresh bootstrap does."""
+    first = Schema(tables=SCHEMA.tables, versions=SCHEMA.versions[:1], extensions=SCHEMA.extensions)
+    async with Database(empty_database_dsn) as database:
+        assert await database.run(migrate, first) == [1]
+        assert await database.run(migrate) == [v.number for v in SCHEMA.versions[1:]]
+        assert await database.run(verify) == []

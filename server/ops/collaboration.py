@@ -210,7 +210,7 @@ async def collaborator_list(server: Server, connection: Connection, request: c.C
     rows = await server.db.run(collaborators.owner_collaborators, workspace.workspace_id, workspace.member_id, chain,
                                request.include_ended)
     return c.CollaboratorListResult([
-        collaborator_info(r, "local") for r in rows])
+        collaborator_info(r, "local" if r["scope_id"] == scope["id"] else "inherited") for r in rows])
 
 
 async def collaborator_overview(server: Server, connection: Connection, request: c.CollaboratorOverview,

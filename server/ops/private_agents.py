@@ -122,7 +122,7 @@ async def explain(server: Server, connection: Connection, request: p.VisibilityE
         except NotFound:
             member = None
         # Only the member itself or its owner learns what it can read; nobody else learns the member exists.
-        if member is None:
+        if member is None or member.owner_member_id != workspace.member_id:
             raise ProtocolError(ErrorCode.NOT_FOUND, "member not found")
     row = await server.db.run(visibility.explain_message, workspace.workspace_id, member_id, message_id)
     if row is None or row["reason"] is None:

@@ -21,29 +21,32 @@ from storage.visibility import message_readable_sql
 # viewer may not address cannot crowd out the ones it may (§5.1).
 CANDIDATE_SCAN_LIMIT = 200
 
-# Which relation a caller sees first when several hold: the order of the
+# Which authority row a caller is shown when several hold: the order of the
 # readable predicate's rules.
-RELATION_RANK = {"owner": 0, "same_owner_agent": 1, "own_agent": 1, "grant": 2, "collaborator": 3}
+RELATION_RANK = {"same_owner_agent": 0, "grant": 1, "collaborator": 2}
 
 
-def _like_prefix(prefix: str) -> str:
-    """A LIKE pattern matching `prefix` literally at the start (`_` is a LIKE wildcard)."""
-    return prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+# Above every character a handle may hold ([a-z0-9_.-]): handles starting with
+# a prefix p are exactly those in [p, p + HANDLE_CEILING) in byte order.
+HANDLE_CEILING = "{"
 
 
 async def private_agent_candidates(conn: asyncpg.Connection, workspace_id: str, chain: list[str], viewer: str,
                                    prefix: str) -> tuple[list[asyncpg.Record], bool]:
     """Active private agents (not the viewer) whose handle starts with `prefix`
-    and who hold an open private membership in a scope of `chain`, by handle, at
-    most CANDIDATE_SCAN_LIMIT of them; and whether that cap cut the scan short."""
+    and who hold an open private membership in a scope of `chain`, in handle
+    byte order, at most CANDIDATE_SCAN_LIMIT of them; and whether that cap cut
+    the scan short.  The byte-order operators (~>=~, ~<~) walk
+    members_private_agent_handle_idx as a range, in order, whatever the
+    database's collation and with a generic plan too."""
     rows = await conn.fetch(
         "SELECT mem.id, mem.handle, mem.display_name, mem.owner_member_id FROM members mem "
         "WHERE mem.workspace_id = $1 AND mem.kind = 'agent' AND mem.visibility = 'private' "
-        "AND mem.status = 'active' AND mem.id <> $3 AND mem.handle LIKE $4 "
+        "AND mem.handle ~>=~ $4 AND mem.handle ~<~ $5 AND mem.status = 'active' AND mem.id <> $3 "
         "AND EXISTS (SELECT 1 FROM scope_memberships sm WHERE sm.scope_id = ANY($2::text[]) "
         "AND sm.member_id = mem.id AND sm.effective_to_seq IS NULL AND sm.visibility = 'private') "
-        "ORDER BY mem.handle LIMIT $5",
-        workspace_id, chain, viewer, _like_prefix(prefix), CANDIDATE_SCAN_LIMIT + 1,
+        "ORDER BY mem.handle USING ~<~ LIMIT $6",
+        workspace_id, chain, viewer, prefix, prefix + HANDLE_CEILING, CANDIDATE_SCAN_LIMIT + 1,
     )
     return rows[:CANDIDATE_SCAN_LIMIT], len(rows) > CANDIDATE_SCAN_LIMIT
 
