@@ -558,6 +558,19 @@ def machine_busy_seconds() -> float:
     return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
 
 
+async def wait_for_quiet(args: argparse.Namespace) -> dict[str, float]:
+    """Before a repeat: wait (at most --wait-idle s) until the machine is nearly idle (below
+    --idle-busy cores busy over 1 s; this benchmark is idle then), so other users' work lands
+    in the measurement as little as possible."""
+    started = time.monotonic()
+    while True:
+        before = machine_busy_seconds()
+        await asyncio.sleep(1.0)
+        busy = machine_busy_seconds() - before
+        if busy <= args.idle_busy or time.monotonic() - started >= args.wait_idle:
+            return {"waited_for_quiet_s": round(time.monotonic() - started, 1), "cpus_busy_before": round(busy, 2)}
+
+
 async def measure(cases: list[Case], args: argparse.Namespace, probe: CpuProbe,
                   log: Callable[[str], None]) -> list[dict[str, float]]:
     """Runs every case; returns per repeat the machine's load: cores busy in all, and cores
@@ -570,6 +583,7 @@ async def measure(cases: list[Case], args: argparse.Namespace, probe: CpuProbe,
             if case.check:
                 case.check(result)
     for repeat in range(args.repeats):
+        quiet = await wait_for_quiet(args)
         for case in cases:
             case.samples.append([])
         started = time.perf_counter()
@@ -594,7 +608,7 @@ async def measure(cases: list[Case], args: argparse.Namespace, probe: CpuProbe,
                 case.calls += args.block
         wall = time.perf_counter() - started
         busy = machine_busy_seconds() - machine_before
-        load.append({"wall_s": round(wall, 2), "machine_cpus_busy": round(busy / wall, 2),
+        load.append({**quiet, "wall_s": round(wall, 2), "machine_cpus_busy": round(busy / wall, 2),
                      "other_work_cpus_busy": round(max(0.0, busy - ours) / wall, 2)})
         log(f"  repeat {repeat + 1}/{args.repeats}: {len(cases)} cases x {args.rounds * args.block} calls "
             f"({wall:.1f}s; machine {load[-1]['machine_cpus_busy']} cores busy, "
@@ -936,6 +950,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, help="rounds per repeat; each runs one block of every case (10; quick 1)")
     p.add_argument("--block", type=int, help="calls per case per round (10; quick 3)")
     p.add_argument("--warmup", type=int, help="untimed calls per case before the first repeat (5; quick 1)")
+    p.add_argument("--wait-idle", type=float, help="before each repeat, wait at most this long for the machine "
+                                                   "to be nearly idle (120 s; quick 0)")
+    p.add_argument("--idle-busy", type=float, default=0.5, help="cores busy that count as nearly idle (0.5)")
     p.add_argument("--log-level", default="warning", help="server --log-level (warning)")
     p.add_argument("--keep-samples", action="store_true", help="store every latency sample in the JSON")
     p.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help=f"JSON output (default {DEFAULT_OUTPUT})")
@@ -950,6 +967,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.rounds = args.rounds or (1 if quick else 10)
     args.block = args.block or (3 if quick else 10)
     args.warmup = args.warmup if args.warmup is not None else (1 if quick else 5)
+    args.wait_idle = args.wait_idle if args.wait_idle is not None else (0.0 if quick else 120.0)
     args.parts = [s.strip() for s in args.parts.split(",") if s.strip()]
     if not args.parts or set(args.parts) - {"resolver", "history"}:
         p.error("--parts takes resolver and/or history")
@@ -1029,7 +1047,8 @@ async def run(dsn: str, scratch: Path, args: argparse.Namespace, *, local_cluste
                         "private_readable_fraction": round(len(fx.readable_seqs) / fx.messages, 4),
                         "prefixes": fx.prefixes, "owner_viewer_agent_handle": fx.owner_handle,
                         "build_s": round(fixture_s, 1), "build_phases_s": fx.timings_s},
-            "postgres_version": pg_version, "machine_load_per_repeat": load, "notes": notes,
+            "postgres_version": pg_version, "postgres_cpu_counted": postmaster is not None,
+            "machine_load_per_repeat": load, "notes": notes,
             "resolver": resolver_summary(results), "history": ratios, "results": results,
             "history_explain": explain}
 

@@ -21,6 +21,7 @@ from datetime import datetime
 
 import asyncpg
 
+from storage import tenancy
 from storage.errors import Conflict, NotFound
 from storage.ids import new_id
 from storage.visibility.collaborators import COLLABORATOR_COLUMNS, COLLABORATOR_FROM, GRANT_COLUMNS
@@ -244,6 +245,10 @@ async def expire_due(conn: asyncpg.Connection, now: datetime) -> list[Collaborat
         now)]
     changes: list[CollaboratorChange] = []
     for workspace_id in workspaces:
+        # A fenced workspace is not written; reads stay exact by created_at < expires_at meanwhile.
+        fence = await tenancy.execution_state_for_share(conn, workspace_id)
+        if fence["write_fenced"] or fence["state"] not in tenancy.WRITABLE_STATES:
+            continue
         latest = await _global_seq_for_share(conn, workspace_id)
         await conn.execute(
             "UPDATE scope_private_grants SET revoked_at = expires_at, "

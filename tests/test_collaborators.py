@@ -446,3 +446,33 @@ async def test_a_thread_reads_with_its_own_and_its_channels_authority_never_a_si
             assert await read(channel["id"]) == ["carol in the channel"]
             assert await read(first) == ["bob in first", "carol in first"]
             assert await read(sibling) == ["carol in sibling"]
+
+
+async def test_changes_and_the_expiry_pass_respect_the_write_fence(app: App, team):
+    alpha, people = team
+    bob, carol = people["bob"], people["carol"]
+    ws = {"workspace_id": alpha.workspace_id}
+    async with await signed_in(app, alpha.owner) as owner, await signed_in(app, carol) as c:
+        channel = await open_channel(owner, alpha.workspace_id, "fence", [bob.member_id])
+        now = await db_now(app)
+        soon = int((now + timedelta(minutes=5)).timestamp() * 1000)
+        added = await owner.call("collaborator.add", scope_id=channel["id"], member_id=carol.member_id,
+                                 confirm_channel=True, expires_at_ms=soon, **ws)
+        await app.db.transaction(tenancy.fence_workspace, alpha.workspace_id, write_fenced=True, new_generation=False)
+        for conn, op, fields in (
+                (owner, "private_grant.create", {"scope_id": channel["id"], "grantee_member_id": bob.member_id}),
+                (owner, "collaborator.add", channel_add(channel["id"], bob.member_id, {})),
+                (owner, "collaborator.update_expiry", {"collaborator_id": added["id"], "no_expiry": True}),
+                (owner, "collaborator.remove", {"collaborator_id": added["id"]}),
+                (c, "collaborator.leave", {"collaborator_id": added["id"]})):
+            await expect_error("fenced", conn.call(op, **fields, **ws))
+        # The expiry pass leaves a fenced workspace alone, and closes the row once the fence is lifted.
+        assert await ops.collaborator_maintenance(app.server, now + timedelta(hours=1)) == (0, 0)
+        await app.db.transaction(tenancy.fence_workspace, alpha.workspace_id, write_fenced=False,
+                                 new_generation=False)
+        assert await ops.collaborator_maintenance(app.server, now + timedelta(hours=1)) == (1, 0)
+    counts = await app.db.run(lambda conn: conn.fetchrow(
+        "SELECT (SELECT count(*) FROM scope_private_grants) AS grants, "
+        "(SELECT count(*) FROM task_scope_participant_metadata) AS collaborators, "
+        "(SELECT count(*) FROM task_collaborator_events) AS events"))
+    assert tuple(counts) == (0, 1, 2)  # the add and the expiry
