@@ -790,43 +790,77 @@ async def history_cases(fx: Fixture, conns: dict[str, AsyncioConnection], pg: as
     return cases
 
 
+class Capturing:
+    """Forwards to an asyncpg connection, recording (query, args) of every fetch."""
+
+    def __init__(self, conn: asyncpg.Connection) -> None:
+        self._conn = conn
+        self.captured: list[tuple[str, tuple]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        target = getattr(self._conn, name)
+        if name in ("fetch", "fetchrow", "fetchval"):
+            async def wrapper(query: str, *params: Any, **kw: Any) -> Any:
+                self.captured.append((query, params))
+                return await target(query, *params, **kw)
+            return wrapper
+        return target
+
+
+async def explain_statements(pg: asyncpg.Connection, call: Callable[[Any], Awaitable[Any]]) -> dict[str, Any]:
+    """Runs `call(connection)` once recording its statements, then EXPLAIN (ANALYZE, BUFFERS)
+    of each: per statement its time, rows read by scans and buffers, and the plan."""
+    capturing = Capturing(pg)
+    await call(capturing)
+    plans = []
+    for query, params in capturing.captured:
+        plan = await pg.fetchval(f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {query}", *params)
+        top = (json.loads(plan) if isinstance(plan, str) else plan)[0]
+        entry = {"execution_ms": top.get("Execution Time"), "planning_ms": top.get("Planning Time"),
+                 "shared_hit_blocks": top["Plan"].get("Shared Hit Blocks"),
+                 "shared_read_blocks": top["Plan"].get("Shared Read Blocks"),
+                 "rows_scanned": _rows_scanned(top["Plan"]),
+                 "plan_text": await _plan_text(pg, query, params)}
+        # asyncpg prepares every statement and PostgreSQL may switch a prepared statement to
+        # its generic plan after five executions: the server runs that one in steady state.
+        await pg.execute("SET plan_cache_mode = force_generic_plan")
+        try:
+            plan = await pg.fetchval(f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {query}", *params)
+            generic = (json.loads(plan) if isinstance(plan, str) else plan)[0]
+            entry["generic_plan"] = {
+                "execution_ms": generic.get("Execution Time"), "rows_scanned": _rows_scanned(generic["Plan"]),
+                "shared_blocks": (generic["Plan"].get("Shared Hit Blocks") or 0)
+                + (generic["Plan"].get("Shared Read Blocks") or 0),
+                "plan_text": await _plan_text(pg, query, params)}
+        finally:
+            await pg.execute("RESET plan_cache_mode")
+        plans.append(entry)
+    return {"statements": len(plans), "plans": plans}
+
+
 async def explain_history(fx: Fixture, pg: asyncpg.Connection, args: argparse.Namespace) -> dict[str, Any]:
-    """EXPLAIN (ANALYZE, BUFFERS) of the statements messages.history runs for one tail page and one
-    mid-history page, per viewer: where the private page's time goes."""
+    """messages.history for one tail page and one mid-history page, per viewer: where the
+    private page's time goes."""
     out: dict[str, Any] = {}
-    captured: list[tuple[str, tuple]] = []
-
-    class Capturing:
-        """Forwards to the connection, recording (query, args) of every fetch."""
-
-        def __init__(self, conn: asyncpg.Connection) -> None:
-            self._conn = conn
-
-        def __getattr__(self, name: str) -> Any:
-            target = getattr(self._conn, name)
-            if name in ("fetch", "fetchrow", "fetchval"):
-                async def wrapper(query: str, *params: Any, **kw: Any) -> Any:
-                    captured.append((query, params))
-                    return await target(query, *params, **kw)
-                return wrapper
-            return target
-
     for viewer in ("private_agent", "public_agent"):
         for label, before in (("tail", None), ("middle", fx.messages // 2)):
-            captured.clear()
-            await messages.history(Capturing(pg), fx.workspace_id, fx.viewer_ids[viewer], fx.history_scope,
-                                   before_seq=before, after_seq=None, limit=args.page_size)
-            plans = []
-            for query, params in captured:
-                plan = await pg.fetchval(f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {query}", *params)
-                plan = json.loads(plan) if isinstance(plan, str) else plan
-                top = plan[0]
-                plans.append({"execution_ms": top.get("Execution Time"), "planning_ms": top.get("Planning Time"),
-                              "shared_hit_blocks": top["Plan"].get("Shared Hit Blocks"),
-                              "shared_read_blocks": top["Plan"].get("Shared Read Blocks"),
-                              "rows_scanned": _rows_scanned(top["Plan"]),
-                              "plan_text": await _plan_text(pg, query, params)})
-            out[f"{viewer}/{label}"] = {"statements": len(captured), "plans": plans}
+            out[f"{viewer}/{label}"] = await explain_statements(pg, lambda conn, viewer=viewer, before=before: (
+                messages.history(conn, fx.workspace_id, fx.viewer_ids[viewer], fx.history_scope,
+                                 before_seq=before, after_seq=None, limit=args.page_size)))
+    return out
+
+
+async def explain_resolver(fx: Fixture, pg: asyncpg.Connection) -> dict[str, Any]:
+    """The resolver's statements for the broadest prefix and a mid-selectivity one, per viewer."""
+    resolver_sql = _resolver_sql()
+    if resolver_sql is None:
+        return {}
+    out: dict[str, Any] = {}
+    for viewer in ("owner", "collaborator", "stranger"):
+        for prefix in (fx.prefixes[0], fx.prefixes[2]):
+            out[f"{viewer}/{prefix or '(empty)'}"] = await explain_statements(
+                pg, lambda conn, viewer=viewer, prefix=prefix: resolver_sql(
+                    conn, fx.workspace_id, fx.viewer_ids[viewer], [fx.resolver_scope], prefix))
     return out
 
 
@@ -1026,18 +1060,25 @@ async def run(dsn: str, scratch: Path, args: argparse.Namespace, *, local_cluste
             log(f"measuring {len(cases)} cases ...")
             load = await measure(cases, args, probe, log)
             results = [summarize(c, args.keep_samples) for c in cases]
+            if "resolver" in args.parts:
+                explain["resolver"] = await explain_resolver(fx, pg)
             if "history" in args.parts:
-                explain = await explain_history(fx, pg, args)
+                explain["history"] = await explain_history(fx, pg, args)
     finally:
         await stop_server(proc)
         await pg.close()
     ratios = history_ratios(results)
     print_report(results, ratios, fx, args.page_size)
-    if explain:
-        print("\nEXPLAIN ANALYZE of messages.history (per statement: ms, rows read by scans, shared buffers hit+read):")
-        for key, value in explain.items():
+    for part, title in (("resolver", "the resolver's statements"), ("history", "messages.history")):
+        if not explain.get(part):
+            continue
+        print(f"\nEXPLAIN ANALYZE of {title}, custom plan (generic plan), per statement: ms, rows read by "
+              f"scans incl. subplan loops, shared buffers hit+read:")
+        for key, value in explain[part].items():
             cells = [f"{p['execution_ms']:.1f} ms / {p['rows_scanned']:,.0f} rows / "
-                     f"{(p['shared_hit_blocks'] or 0) + (p['shared_read_blocks'] or 0):,} bufs" for p in value["plans"]]
+                     f"{(p['shared_hit_blocks'] or 0) + (p['shared_read_blocks'] or 0):,} bufs "
+                     f"(generic plan {p['generic_plan']['execution_ms']:.1f} ms / "
+                     f"{p['generic_plan']['rows_scanned']:,.0f} rows)" for p in value["plans"]]
             print(f"  {key:<22} " + "; ".join(cells))
     return {"fixture": {"workspace_id": fx.workspace_id, "resolver_scope": fx.resolver_scope,
                         "history_scope": fx.history_scope, "messages": fx.messages, "owners": args.owners,
@@ -1050,7 +1091,7 @@ async def run(dsn: str, scratch: Path, args: argparse.Namespace, *, local_cluste
             "postgres_version": pg_version, "postgres_cpu_counted": postmaster is not None,
             "machine_load_per_repeat": load, "notes": notes,
             "resolver": resolver_summary(results), "history": ratios, "results": results,
-            "history_explain": explain}
+            "explain": explain}
 
 
 def main(argv: list[str] | None = None) -> int:

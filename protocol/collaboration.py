@@ -21,7 +21,11 @@ class PrivateGrantCreate(WorkspaceRequest, tag="private_grant.create"):
     of): from the next message on, what they write there is readable by your
     private agents (and by them in threads of a granted channel), and they may
     address your agents.  No membership is created; nothing already written
-    becomes readable.  Optional expiry (`expires_at_ms`, in the future)."""
+    becomes readable.  Optional expiry (`expires_at_ms`, in the future).
+    Refusals (details.reason): `invalid` grantee_is_owner, grantee_not_active,
+    expiry_in_past, scope_type_not_supported; `forbidden` owner_not_human (only a
+    human owns private agents), not_a_member; `conflict` already_granted (one
+    active grant per scope, owner and grantee)."""
 
     scope_id: Id
     grantee_member_id: Id
@@ -30,7 +34,8 @@ class PrivateGrantCreate(WorkspaceRequest, tag="private_grant.create"):
 
 class PrivateGrantRevoke(WorkspaceRequest, tag="private_grant.revoke"):
     """End your grant now.  Not retroactive: what was written inside it stays
-    readable to your agents.  Anyone else's grant id answers `not_found`."""
+    readable to your agents.  Anyone else's grant id answers `not_found`; an
+    ended grant `conflict` already_ended."""
 
     grant_id: Id
 
@@ -53,7 +58,11 @@ class CollaboratorAdd(WorkspaceRequest, tag="collaborator.add"):
     affects every thread under it, so it needs `confirm_channel: true` and either
     `expires_at_ms` or an explicit `no_expiry: true` (else `invalid`, reason
     `channel_confirmation_required`).  The member is notified
-    (`collaborator.changed`)."""
+    (`collaborator.changed`).  Other refusals (details.reason): `invalid`
+    scope_type_not_supported (DMs), collaborator_is_agent (agents take grants),
+    collaborator_is_owner, collaborator_not_active, conflicting_expiry,
+    expiry_in_past; `forbidden` owner_not_human, not_a_member; `conflict`
+    already_collaborator."""
 
     scope_id: Id
     member_id: Id
@@ -63,21 +72,23 @@ class CollaboratorAdd(WorkspaceRequest, tag="collaborator.add"):
 
 
 class CollaboratorRemove(WorkspaceRequest, tag="collaborator.remove"):
-    """The owner ends a collaborator now (not retroactive).  Anyone else: `not_found`."""
+    """The owner ends a collaborator now (not retroactive).  Anyone else: `not_found`;
+    an ended row: `conflict` already_ended."""
 
     collaborator_id: Id
 
 
 class CollaboratorLeave(WorkspaceRequest, tag="collaborator.leave"):
     """The collaborator ends their own collaborator row now (parent-channel rows
-    are separate rows).  Anyone else: `not_found`."""
+    are separate rows).  Needs only read access.  Anyone else: `not_found`."""
 
     collaborator_id: Id
 
 
 class CollaboratorUpdateExpiry(WorkspaceRequest, tag="collaborator.update_expiry"):
     """The owner moves an active collaborator's expiry (`expires_at_ms`, in the
-    future) or removes it (`no_expiry: true`); exactly one of the two."""
+    future) or removes it (`no_expiry: true`); exactly one of the two (`invalid`
+    expiry_required / conflicting_expiry)."""
 
     collaborator_id: Id
     expires_at_ms: TimestampMs | None = None

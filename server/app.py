@@ -31,6 +31,7 @@ from actors.fanout import FanoutHub
 from actors.outbox_worker import OutboxWorker
 from actors.registry import ScopeRegistry, actor_seconds
 from server import handlers, http, logs, messaging
+from server.ops.collaboration import run_collaborator_maintenance
 from server.limits import ConnectionAdmission, KeyedRateLimiter, TokenBucket, warn_if_descriptors_short
 from server import transport
 from server.auth import Authenticator
@@ -194,6 +195,7 @@ class Server:
                                           on_commit=self.metrics.batch_committed)
             await actors_nursery.start(self.outbox.run)
             await actors_nursery.start(messaging.sweep_departed_members, self)
+            await actors_nursery.start(run_collaborator_maintenance, self)
             # Cancelling run() must not reach the connection tasks at once: they
             # still run the closing handshakes.  So the serving part is shielded,
             # and a sentinel task turns the cancellation into a stop request.

@@ -15,6 +15,7 @@ from client import connect
 from server.ops import collaboration as ops
 from storage import private_authority, tenancy
 from tests.conftest import App, add_person
+from tests.db_faults import wait_for_query
 from tests.test_messaging import open_channel
 from tests.test_tenancy import expect_error, signed_in
 
@@ -476,3 +477,36 @@ async def test_changes_and_the_expiry_pass_respect_the_write_fence(app: App, tea
         "(SELECT count(*) FROM task_scope_participant_metadata) AS collaborators, "
         "(SELECT count(*) FROM task_collaborator_events) AS events"))
     assert tuple(counts) == (0, 1, 2)  # the add and the expiry
+
+
+async def test_a_window_opens_after_a_global_seq_allocated_but_not_yet_committed(app: App, team):
+    """A send that has numbered its message but not committed yet holds the
+    workspace counter row: an add waits for it (FOR SHARE) and opens its window
+    after that message, so nothing committed before the add is ever inside it."""
+    alpha, people = team
+    carol = people["carol"]
+    ws = {"workspace_id": alpha.workspace_id}
+    async with await signed_in(app, alpha.owner) as owner:
+        channel = await open_channel(owner, alpha.workspace_id, "in-flight")
+        await owner.call("message.send", scope_id=channel["id"], content="creates the counter row", **ws)
+        tail = await global_tail(app, alpha.workspace_id)
+        waited = []
+
+        async def in_flight_send(conn):
+            # Allocate the next global seq as the Applier does; commit only once a backend waits for this
+            # transaction (the add's FOR SHARE on the counter row: nothing else runs in this test).
+            await conn.execute("UPDATE workspace_message_counters SET latest_global_seq = latest_global_seq + 1 "
+                               "WHERE workspace_id = $1", alpha.workspace_id)
+            for _ in range(600):
+                if await conn.fetchval("SELECT /* in-flight */ count(*) FROM pg_stat_activity "
+                                       "WHERE wait_event_type = 'Lock' AND wait_event = 'transactionid'"):
+                    waited.append(True)
+                    return
+                await conn.execute("SELECT pg_sleep(0.05)")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(app.db.transaction, in_flight_send)
+            await wait_for_query(app.db, "query LIKE 'SELECT /* in-flight */%'")
+            added = await owner.call("collaborator.add", **channel_add(channel["id"], carol.member_id, ws))
+        assert waited == [True]
+        assert added["effective_from_global_seq"] == tail + 2

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 from client import ClientError, connect
@@ -106,6 +106,7 @@ class Msg:
     author: str
     created_ms: int
     content: str
+    sources: tuple[str, ...] = ()  # what an owner_quote shares
     reactions: set[tuple[str, str]] = field(default_factory=set)  # (role, key)
 
 
@@ -178,6 +179,21 @@ class Model:
     def readable(self, viewer: str, message: Msg) -> tuple[str, set[str]] | None:
         """(visibility reason, ids of the windows that match) for a private viewer,
         or None.  The first rule that matches is the reason."""
+        verdict = self._readable_in_scope(viewer, message)
+        if verdict is None and any(self._shares(quote, message, viewer) for quote in self.messages):
+            return "source_ref", set()
+        return verdict
+
+    def _shares(self, quote: Msg, message: Msg, viewer: str) -> bool:
+        """Is `quote` an owner_quote of `message` by the viewer's owner, inside the
+        viewer's open private membership of the quote's scope?"""
+        if message.id not in quote.sources or quote.author != OWNER_OF[viewer]:
+            return False
+        membership = self.scopes[quote.scope].members.get(viewer)
+        return (membership is not None and membership.open and membership.visibility == "private"
+                and membership.covers(quote.seq))
+
+    def _readable_in_scope(self, viewer: str, message: Msg) -> tuple[str, set[str]] | None:
         scope = self.scopes[message.scope]
         membership = scope.members.get(viewer)
         if membership is None or not membership.open or membership.visibility != "private":
@@ -236,7 +252,7 @@ class Model:
             return "admission"
         return None
 
-    def mention_lives(self, author: str, target: str, scope: str, lo_ms: int, hi_ms: int) -> bool | None:
+    def addressable(self, author: str, target: str, scope: str, lo_ms: int, hi_ms: int) -> bool | None:
         if self.placement(target, scope) is None:
             return False
         if target not in PRIVATE_AGENTS:
@@ -342,35 +358,81 @@ class World:
 
     # --- steps ------------------------------------------------------------------------------------
 
-    async def send(self, author: str, scope: str, target: str | None) -> bool:
+    async def send(self, author: str, scope: str, target: str | None, explicit: bool = False) -> bool:
+        """`author` writes in `scope`, addressing `target` by a live @mention or,
+        when `explicit`, as an explicit recipient."""
         model = self.model
         state = model.scopes[scope]
         if target == author or not self._may_write(author, scope):
             return False
-        content = f"step {next(self.counter)}" + (f" @{self.handles[target]}" if target else "")
+        if author in PRIVATE_AGENTS and state.parent is not None and not state.is_open(author):
+            return await self._reply_refused(author, scope)
+        fields = {"recipient_member_ids": [self.member_ids[target]]} if explicit and target else {}
+        content = f"step {next(self.counter)}" + (f" @{self.handles[target]}" if target and not explicit else "")
         joins = state.parent is not None and not state.is_open(author)
         lo_ms = int(time.time() * 1000)
-        if state.parent is None:
-            info = await self.call(author, "message.send", scope_id=state.id, content=content)
-        else:
-            info = await self.call(author, "thread.reply", scope_id=model.scopes[state.parent].id,
-                                   root_message_id=state.root.id, content=content)
+        try:
+            if state.parent is None:
+                info = await self.call(author, "message.send", scope_id=state.id, content=content, **fields)
+            else:
+                info = await self.call(author, "thread.reply", scope_id=model.scopes[state.parent].id,
+                                       root_message_id=state.root.id, content=content, **fields)
+        except ClientError as exc:
+            lives = model.addressable(author, target, scope, lo_ms, int(time.time() * 1000)) if fields else True
+            assert lives is not True and (exc.code, exc.details.get("reason")) == (
+                "forbidden", "recipient_not_addressable"), (f"{author} addressing {target} in {scope}", exc)
+            return False
         hi_ms = int(time.time() * 1000)
         assert info["scope_id"] == state.id
         if joins:  # replying joined the thread first
             state.open(author)
         message = self.record(info, scope, author)
-        mentions = info.get("metadata", {}).get("mentions", [])
+        metadata = info.get("metadata", {})
+        addressed = metadata.get("recipients" if explicit else "mentions", [])
+        assert metadata.get("mentions" if explicit else "recipients", []) == [], metadata
         if target is None:
-            assert mentions == [], mentions
+            assert addressed == [], metadata
         else:
-            lives = model.mention_lives(author, target, scope, lo_ms, hi_ms)
-            mentioned = self.member_ids[target] in mentions
-            assert lives is None or mentioned == lives, (
-                f"{author} mentioning {target} in {scope}: the model says "
-                f"{'a live mention' if lives else 'plain text'}, metadata.mentions={mentions}")
-            if mentioned and model.placement(target, scope) == "admission":
+            lives = model.addressable(author, target, scope, lo_ms, hi_ms)
+            reached = self.member_ids[target] in addressed
+            assert lives is None or reached == lives, (
+                f"{author} addressing {target} in {scope} ({'recipient' if explicit else 'mention'}): the model "
+                f"says {'addressed' if lives else 'not addressed'}, metadata={metadata}")
+            if reached and model.placement(target, scope) == "admission":
                 state.open(target, baseline=message.seq - 1)  # admitted with the admitting message
+        self.expect_live(message)
+        return True
+
+    async def _reply_refused(self, agent: str, scope: str) -> bool:
+        """A private agent outside a thread cannot reply its way in."""
+        state = self.model.scopes[scope]
+        try:
+            await self.call(agent, "thread.reply", scope_id=self.model.scopes[state.parent].id,
+                            root_message_id=state.root.id, content="let me in")
+        except ClientError as exc:
+            assert (exc.code, exc.details.get("reason")) == ("forbidden", "private_agent_not_admitted"), exc
+        else:
+            raise AssertionError(f"{agent} replied its way into {scope}")
+        return False
+
+    async def send_by_window(self, index: int, scope: str, target: str | None, explicit: bool) -> bool:
+        """A send by the member of a grant or collaborator window (live, revoked or expired)."""
+        windows = self.model.windows
+        return bool(windows) and await self.send(windows[index % len(windows)].member, scope, target, explicit)
+
+    async def quote(self, owner: str, index: int, scope: str) -> bool:
+        """The owner shares a message it reads into a scope as an owner_quote: its
+        agents there read the source from then on (never a collaborator)."""
+        model = self.model
+        state = model.scopes[DM_OF[{"O1": "A1", "O2": "A2"}[owner]] if scope == "DM" else scope]
+        sources = [m for m in model.messages if model.public_reads(owner, m)]
+        if not state.is_open(owner) or not sources:
+            return False
+        source = sources[index % len(sources)]
+        info = await self.call(owner, "message.forward", scope_id=state.id, source_message_ids=[source.id],
+                               mode="owner_quote", comment=f"quote {next(self.counter)}")
+        message = self.record(info, state.name, owner)
+        message.sources = (source.id,)
         self.expect_live(message)
         return True
 
@@ -379,13 +441,9 @@ class World:
         state = model.scopes[scope]
         if state.parent is None:
             return state.is_open(author)
-        if not model.scopes[state.parent].is_open(author):
-            return False
-        if author in PRIVATE_AGENTS:
-            # A private agent enters a thread only through a mention with authority,
-            # never by replying: only thread members reply (and they must read the root).
-            return state.is_open(author) and model.readable(author, state.root) is not None
-        return True
+        # A thread reply needs the parent and its root (a private agent must read it).
+        return model.scopes[state.parent].is_open(author) and (
+            author not in PRIVATE_AGENTS or model.readable(author, state.root) is not None)
 
     async def react(self, reactor: str, index: int, key: str) -> bool:
         model = self.model
@@ -740,16 +798,19 @@ async def build_world(base: Base, number: int, nursery: trio.Nursery, stack: Asy
             DM_OF[agent], (await world.call(owner, "dm.open", member_id=world.member_ids[agent]))["id"])
         dm.open(owner)
         dm.open(agent)
-    # Two sibling threads: T (root by O2, opened by O1's reply), T2 (root by H, opened by O2's).
-    for name, root_author, opener in (("T", "O2", "O1"), ("T2", "H", "O2")):
+    # Two sibling threads: T (root by O2, opened by O1's reply, which admits A1), T2 (root by
+    # H, opened by O2's reply, which admits A2).
+    for name, root_author, opener, admitted in (("T", "O2", "O1", "A1"), ("T2", "H", "O2", "A2")):
         info = await world.call(root_author, "message.send", scope_id=channel["id"], content=f"root of {name}")
         root = world.record(info, "C", root_author)
         world.expect_live(root)
         reply = await world.call(opener, "thread.reply", scope_id=channel["id"], root_message_id=root.id,
-                                 content=f"first in {name}")
+                                 content=f"first in {name} @{world.handles[admitted]}")
+        assert reply["metadata"]["mentions"] == [world.member_ids[admitted]], reply
         thread = model.scopes[name] = Scope(name, reply["scope_id"], parent="C", root=root)
         thread.open(opener)
         thread.open(root_author)
+        thread.open(admitted)  # with the admitting message
         world.expect_live(world.record(reply, name, opener))
     return world
 
@@ -767,7 +828,6 @@ async def run_program(base: Base, number: int, program: list[tuple]) -> None:
         for agent in PRIVATE_AGENTS:
             await world.resume(agent, 0, 0)
         await world.check_step(final=True)
-        print("WORLD", [(w.kind, w.owner, w.member, w.scope, w.from_gseq, w.to_gseq, w.expires_ms) for w in world.model.windows], [(m.scope, m.gseq, m.author) for m in world.model.messages if not m.content.startswith("sentinel")], program)
         nursery.cancel_scope.cancel()
 
 
@@ -850,12 +910,15 @@ def _step(name: str, *parts):
     return st.tuples(st.just(name), *parts)
 
 
+EXPLICIT = st.sampled_from((False, False, True))  # a live @mention, or an explicit recipient
+
+
 def _send(authors=AUTHORS, targets=MENTION_TARGETS):
-    return _step("send", st.sampled_from(authors), st.sampled_from(SCOPES), st.sampled_from(targets))
+    return _step("send", st.sampled_from(authors), st.sampled_from(SCOPES), st.sampled_from(targets), EXPLICIT)
 
 
-def _grant():
-    return _step("grant", st.sampled_from(AGENT_OWNERS), st.sampled_from(GRANTEES), st.sampled_from(SCOPES),
+def _grant(scopes=SCOPES):
+    return _step("grant", st.sampled_from(AGENT_OWNERS), st.sampled_from(GRANTEES), st.sampled_from(scopes),
                  st.sampled_from(EXPIRIES))
 
 
@@ -865,11 +928,15 @@ def _collaborator_add():
 
 
 # Equal strategies would be merged by one_of: each weight is its own instance.
+AUTHORITY = st.one_of(_grant(("C",)), _grant(), _collaborator_add())
 STEP = st.one_of(
     *[_send() for _ in range(4)],
-    *[_send(("O2", "H", "S", "P1", "A2")) for _ in range(3)],  # authors who need a window to be read
+    *[_send(("O2", "H", "S", "P1", "A2")) for _ in range(2)],  # authors who need a window to be read
+    *[_step("send_by_window", st.integers(0, 15), st.sampled_from(SCOPES), st.sampled_from(MENTION_TARGETS),
+            EXPLICIT) for _ in range(3)],
+    _step("quote", st.sampled_from(AGENT_OWNERS), st.integers(0, 63), st.sampled_from(SCOPES + ("DM",))),
     _send(("O1", "O2", "H", "S", "A1b", "A2"), PRIVATE_AGENTS),  # wakes
-    *[_grant() for _ in range(3)],
+    *[_grant(scopes) for scopes in (SCOPES, SCOPES, ("C",))],
     _step("revoke", st.integers(0, 15)),
     *[_collaborator_add() for _ in range(2)],
     _step("collaborator_end", st.integers(0, 15), st.booleans()),
@@ -889,7 +956,9 @@ def test_private_agents_read_and_receive_what_the_model_allows(database_dsn, mem
         # failure names the step, the scope, the message and the rule instead.
         @settings(max_examples=8, deadline=None, derandomize=True, phases=(Phase.explicit, Phase.generate),
                   suppress_health_check=list(HealthCheck))
-        @given(program=st.lists(STEP, min_size=6, max_size=20))
+        @given(program=st.tuples(st.lists(AUTHORITY, min_size=1, max_size=3), st.lists(STEP, min_size=6, max_size=20))
+               .map(lambda parts: parts[0] + parts[1]))
+        @example(program=[("react", "O1", 2, "🎉"), ("send", "H", "C", None), ("react", "O1", 100, "👍")])
         def programs(program):
             server.run(run_program, server.base, next(numbers), program)
 
