@@ -510,3 +510,31 @@ async def test_a_window_opens_after_a_global_seq_allocated_but_not_yet_committed
             added = await owner.call("collaborator.add", **channel_add(channel["id"], carol.member_id, ws))
         assert waited == [True]
         assert added["effective_from_global_seq"] == tail + 2
+
+
+async def test_a_starting_server_closes_what_expired_while_it_was_down(app: App, team, nursery, server_config):
+    """The server runs the maintenance pass itself: at start (before it counts as
+    started), then every 30 s — nobody has to call it."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from server.app import Server
+    from server.auth import Authenticator, SessionSigner
+
+    alpha, people = team
+    carol = people["carol"]
+    ws = {"workspace_id": alpha.workspace_id}
+    async with await signed_in(app, alpha.owner) as owner:
+        channel = await open_channel(owner, alpha.workspace_id, "downtime")
+        soon = int((await db_now(app) + timedelta(minutes=5)).timestamp() * 1000)
+        added = await owner.call("collaborator.add", scope_id=channel["id"], member_id=carol.member_id,
+                                 confirm_channel=True, expires_at_ms=soon, **ws)
+    # It expired an hour ago (moved in the past, as if the server had been down).
+    await app.db.run(lambda conn: conn.execute(
+        "UPDATE task_scope_participant_metadata SET added_at = added_at - interval '2 hours', "
+        "expires_at = now() - interval '1 hour' WHERE id = $1", added["id"]))
+    server = Server(server_config, app.db, Authenticator(app.db, SessionSigner(Ed25519PrivateKey.generate()),
+                                                         server_config.session_ttl_seconds))
+    await nursery.start(server.run)
+    row = await app.db.run(lambda conn: conn.fetchrow(
+        "SELECT active_key, effective_to_global_seq FROM task_scope_participant_metadata WHERE id = $1", added["id"]))
+    assert row["active_key"] is None and row["effective_to_global_seq"] is not None

@@ -252,11 +252,14 @@ async def collaborator_maintenance(server: Server, now: datetime | None = None) 
 
 async def run_collaborator_maintenance(server: Server, *, interval_seconds: float = MAINTENANCE_SECONDS,
                                        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-    """At start, then every `interval_seconds`."""
+    """At start (the server counts as started once this first pass is done:
+    what expired while it was down is closed before it serves), then every
+    `interval_seconds`."""
+    await collaborator_maintenance(server)
     task_status.started()
     while True:
-        await collaborator_maintenance(server)
         await trio.sleep(interval_seconds)
+        await collaborator_maintenance(server)
 
 
 HANDLERS = {
