@@ -17,8 +17,8 @@ import trio
 
 from actors import scope_actor as cmd
 from actors.fanout import CommittedEvent
-from domain.plan import (ActorContext, ChannelProfile, CommittedMessage, MembershipMutation, MessageIntent,
-                         RosterEntry, SourceRef)
+from domain.plan import (ActorContext, ChannelProfile, CommittedMessage, MembershipMutation, MentionCandidate,
+                         MessageIntent, RosterEntry, SourceRef)
 from actors.routing_tokens import MentionMode
 from protocol import frames as f
 from protocol import results
@@ -181,12 +181,26 @@ async def close_departed_members(server: Server) -> int:
 
 # --- scopes -----------------------------------------------------------------------------------
 
+_HUMAN = MentionCandidate("", "", "human", "active", None, None)
+
+
+async def _caller_as_candidate(server: Server, workspace: WorkspaceContext) -> MentionCandidate:
+    """The calling member's kind, visibility and owner (read only for agents)."""
+    if workspace.member_kind != "agent":
+        return _HUMAN
+    return await server.db.run(messages.member_candidate, workspace.workspace_id, workspace.member_id)
+
+
 async def channel_create(server: Server, connection: Connection, request: f.ChannelCreate,
                          ctx: RequestContext) -> f.ScopeInfo:
     workspace = ctx.require(Permission.MESSAGE_WRITE)
     actor = _actor(workspace)
     for member_id in request.member_ids:
         _check_id(member_id, "mem", "member")
+    if (await _caller_as_candidate(server, workspace)).visibility == "private":
+        # A private agent is in a scope only as its owner's private member (scope-model §5.1).
+        raise ProtocolError(ErrorCode.FORBIDDEN, "a private agent does not create channels",
+                            details={"reason": "private_agent_not_admitted"})
     # One transaction in the new scope's actor: the channel exists with all its
     # members or not at all (an unknown member leaves no channel behind).
     scope_id = await _submit(server, new_id("scp"), cmd.CreateScope(
@@ -214,7 +228,13 @@ async def dm_open(server: Server, connection: Connection, request: f.DmOpen, ctx
     private = other.kind == "agent" and other.visibility == "private"
     if private and other.owner_member_id != workspace.member_id:
         raise ProtocolError(ErrorCode.FORBIDDEN, "a private agent talks only with its owner")
-    pair = sorted({workspace.member_id, other_id})
+    caller = await _caller_as_candidate(server, workspace)
+    if caller.visibility == "private":
+        # The same DM seen from the agent's side: only with its owner, as a private member.
+        if other_id != caller.owner_member_id:
+            raise ProtocolError(ErrorCode.FORBIDDEN, "a private agent talks only with its owner")
+        other, other_id, private = caller, caller.member_id, True
+    pair = sorted({workspace.member_id, request.member_id})
     identity_key = f"dm:{workspace.workspace_id}:" + ":".join(pair)
     scope_id = await server.db.run(messages.keyed_scope, workspace.workspace_id, identity_key)
     if scope_id is None:

