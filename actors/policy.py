@@ -56,6 +56,8 @@ def can_address(actor: ActorContext, scope: ScopeContext, candidate: MentionCand
         admits = True
     if not _is_private_agent(candidate):
         return allow("thread_admission" if admits else "member"), admits
+    if scope.type == "thread" and parent is not None and candidate.member_id not in parent.roster:
+        return deny("not_a_member"), False  # removed from the channel: its thread membership grants nothing
     if candidate.member_id == actor.member_id:
         return allow("own"), admits
     assert now is not None and candidate.owner_member_id is not None
@@ -82,9 +84,9 @@ def can_add_member(actor: ActorContext | None, scope: ScopeContext, candidate: M
     if candidate.kind == "agent" and candidate.visibility == "private":
         if actor is None or candidate.owner_member_id != actor.member_id:
             return deny("private_agent_without_authority")
-        if scope.type == "thread" and (parent is None or parent.roster.get(candidate.member_id) is None
-                                       or parent.roster[candidate.member_id].visibility != "private"):
-            return deny("private_agent_not_in_parent")
+        if scope.type == "thread":
+            # It enters a thread only when addressed there (scope-model §5.2): mention it.
+            return deny("private_agent_not_admitted")
     if scope.type == "dm":
         return deny("dm_roster_is_fixed")
     if actor is not None and actor.member_id != candidate.member_id and actor.member_id not in scope.roster:

@@ -412,9 +412,8 @@ class ScopeActor:
                 state.roster[member_id] = RosterEntry(member_id, candidate.kind, mutation.visibility,
                                                       mutation.owner_member_id, 0)
         generation = await applier.apply_membership_mutations(conn, actor.workspace_id, scope_id, mutations, 0)
-        return _Outcome(scope_id, [CommittedEvent("membership.changed", actor.workspace_id, scope_id, None, None,
-                                                  {"member_id": m.member_id, "action": "open",
-                                                   "roster_generation": generation}) for m in mutations])
+        return _Outcome(scope_id, [_membership_changed(actor.workspace_id, scope_id, m, generation)
+                                   for m in mutations])
 
     async def _reload(self) -> None:
         """Read the scope, its roster, the thread's parent and the private authority afresh."""
@@ -447,16 +446,21 @@ class ScopeActor:
         if event.event != "message.created":
             return self._roster_set
         message = event.data
-        return self._message_audience(message.author_member_id, message.workspace_global_seq, message.created_at)
+        return self._message_audience(message.author_member_id, message.seq, message.workspace_global_seq,
+                                      message.created_at)
 
-    def _message_audience(self, author: str, global_seq: int, created_at) -> frozenset[str] | MessageAudience:
+    def _message_audience(self, author: str, seq: int, global_seq: int,
+                          created_at) -> frozenset[str] | MessageAudience:
         if not self._private_readers:
             return self._roster_set
         roster = self.state.roster if self.state else {}
+        parent_roster = self.parent.roster if self.parent is not None else None
         readers = frozenset(
             reader.member_id for reader in self._private_readers
-            if private_read_reason(reader, author, roster.get(author), self.authority, global_seq,
-                                   created_at) is not None)
+            # In a thread, only while still a private member of the parent (scope-model §5.2).
+            if (parent_roster is None or reader.member_id in parent_roster)
+            and private_read_reason(reader, author, roster.get(author), self.authority, seq, global_seq,
+                                    created_at) is not None)
         return MessageAudience(self._public_set, readers) if readers else self._public_set
 
     def _publish(self, publication: _Publication) -> None:
@@ -641,7 +645,7 @@ class ScopeActor:
         event = CommittedEvent("reaction.added" if command.add else "reaction.removed", state.workspace_id,
                                state.scope_id, None, None,
                                {"message_id": command.message_id, "key": command.key, "member_id": actor.member_id},
-                               audience=self._message_audience(message["author_member_id"],
+                               audience=self._message_audience(message["author_member_id"], message["seq"],
                                                                message["workspace_global_seq"],
                                                                message["created_at"]))
         return _Outcome({"changed": changed}, [event] if changed else [])
@@ -720,8 +724,7 @@ class ScopeActor:
                                                 candidate.owner_member_id if private else None))
         generation = await applier.apply_membership_mutations(conn, state.workspace_id, state.scope_id, mutations,
                                                               state.latest_seq)
-        events = [CommittedEvent("membership.changed", state.workspace_id, state.scope_id, None, None,
-                                 {"member_id": m.member_id, "action": m.action, "roster_generation": generation})
+        events = [_membership_changed(state.workspace_id, state.scope_id, m, generation, state.roster.get(m.member_id))
                   for m in mutations]
         return _Outcome({"roster_generation": generation}, events)
 
@@ -734,9 +737,24 @@ class ScopeActor:
             conn, state.workspace_id, state.scope_id, [MembershipMutation(m, "close") for m in departed],
             state.latest_seq)
         return _Outcome({"closed": departed}, [
-            CommittedEvent("membership.changed", state.workspace_id, state.scope_id, None, None,
-                           {"member_id": m, "action": "close", "reason": "departed", "roster_generation": generation})
+            _membership_changed(state.workspace_id, state.scope_id, MembershipMutation(m, "close"), generation,
+                                state.roster.get(m), reason="departed")
             for m in departed])
+
+
+def _membership_changed(workspace_id: str, scope_id: str, mutation: MembershipMutation, generation: int,
+                        closing: RosterEntry | None = None, reason: str | None = None) -> CommittedEvent:
+    """A membership.changed event; it says whether the membership is private (and
+    whose), so a public member list can leave private members out (scope-model §3.3)."""
+    visibility, owner = ((closing.visibility, closing.owner_member_id) if mutation.action == "close" and closing
+                         else (mutation.visibility, mutation.owner_member_id))
+    data = {"member_id": mutation.member_id, "action": mutation.action, "roster_generation": generation,
+            "visibility": visibility}
+    if owner is not None:
+        data["owner_member_id"] = owner
+    if reason is not None:
+        data["reason"] = reason
+    return CommittedEvent("membership.changed", workspace_id, scope_id, None, None, data)
 
 
 class MessageAudience:

@@ -32,11 +32,14 @@ class AuthorityWindow:
     from_global_seq: int
     to_global_seq: int | None
     expires_at: datetime | None
+    # Ended by its expiry: to_global_seq is then only a pruning bound and the exact
+    # test is created_at < expires_at (storage/visibility/predicate.py CLOSED_BY_EXPIRY).
+    closed_by_expiry: bool = False
 
     def covers(self, global_seq: int, created_at: datetime) -> bool:
         """Was a message with this global seq and commit time written inside the window?"""
         return (self.from_global_seq <= global_seq
-                and (self.to_global_seq is None or global_seq <= self.to_global_seq)
+                and (self.to_global_seq is None or global_seq <= self.to_global_seq or self.closed_by_expiry)
                 and (self.expires_at is None or created_at < self.expires_at))
 
     def active_at(self, now: datetime) -> bool:
@@ -72,17 +75,21 @@ class ScopeAuthority:
 
 
 def private_read_reason(reader: RosterEntry, author: str, author_entry: RosterEntry | None,
-                        authority: ScopeAuthority, global_seq: int, created_at: datetime) -> str | None:
-    """Why the private member `reader` may read a message `author` just wrote in
-    its scope (None: it may not).  `author_entry` is the author's roster entry."""
+                        authority: ScopeAuthority, seq: int, global_seq: int, created_at: datetime) -> str | None:
+    """Why the private member `reader` (its open membership) may read a message of
+    its scope that `author` wrote (None: it may not).  `author_entry` is the
+    author's open membership.  Only open intervals are known here: a message
+    inside an earlier, closed interval answers None (the SQL predicate, which
+    knows them all, decides replays)."""
     owner = reader.owner_member_id
+    if seq < reader.effective_from_seq or owner is None:
+        return None
     if author == reader.member_id:
         return "own_output"
-    if owner is None:
-        return None
     if author == owner:
         return "owner"
-    if author_entry is not None and author_entry.visibility == "private" and author_entry.owner_member_id == owner:
+    if (author_entry is not None and author_entry.visibility == "private" and author_entry.owner_member_id == owner
+            and author_entry.effective_from_seq <= seq):
         return "same_owner_agent"
     window = authority.covering(owner, author, global_seq, created_at)
     return window.kind if window is not None else None

@@ -76,6 +76,8 @@ class RosterEntry:
     visibility: str
     owner_member_id: str | None
     last_read_seq: int
+    # Where the open membership's interval starts: a private reader reads nothing before it.
+    effective_from_seq: int = 1
 
 
 @dataclass

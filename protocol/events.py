@@ -37,6 +37,9 @@ class MembershipChanged(msgspec.Struct, omit_defaults=True):
     action: Literal["open", "close"]
     roster_generation: int
     reason: Literal["departed"] | None = None
+    # A private member (a private agent) carries its owner: public member lists leave it out.
+    visibility: Literal["public", "private"] = "public"
+    owner_member_id: str | None = None
 
 
 class TypingSignal(msgspec.Struct):

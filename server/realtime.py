@@ -353,7 +353,7 @@ async def typing(server: Server, connection: Connection, request: f.Typing, ctx)
     workspace, row = await _scope(server, ctx, request.scope_id, Permission.MESSAGE_WRITE)
     if not server.typing_limiter.take((workspace.member_id, row["id"])):
         raise ProtocolError(ErrorCode.RATE_LIMITED, "typing signals are limited to about one a second")
-    roster = await server.db.run(visibility.entitled_roster, row["id"])
+    roster = await server.db.run(visibility.typing_audience, row["id"], workspace.member_id)
     server.hub.publish(CommittedEvent("typing", workspace.workspace_id, row["id"], None, None, {
         "member_id": workspace.member_id, "state": request.state,
         "expires_at_ms": int(time.time() * 1000) + TYPING_TTL_MS}), roster=roster)

@@ -373,7 +373,7 @@ async def set_reaction(conn: asyncpg.Connection, workspace_id: str, scope_id: st
     wins.  Returns whether the visible set changed, and the message's author,
     global seq and commit time (who may hear of it).  Removal keeps no row."""
     message = await conn.fetchrow(
-        "SELECT state, author_member_id, workspace_global_seq, created_at FROM scope_messages "
+        "SELECT state, author_member_id, seq, workspace_global_seq, created_at FROM scope_messages "
         "WHERE scope_id = $1 AND id = $2", scope_id, message_id
     )
     if message is None:

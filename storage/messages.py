@@ -215,15 +215,21 @@ async def _private_history(conn: asyncpg.Connection, workspace_id: str, viewer: 
         window, order = "m.workspace_global_seq > coalesce($7::bigint, 0)", "ASC"
     else:
         window, order = "($7::bigint IS NULL OR m.workspace_global_seq < $7::bigint)", "DESC"
+    # Plus what its owner shared from here (source_ref): explicit, so few.
+    quoted = await visibility.quoted_sources_in_scope(conn, scope_id, viewer)
     rows = await conn.fetch(
-        f"SELECT page.* FROM unnest($4::text[], $5::bigint[], $6::bigint[]) AS a(author, lo, hi) "
+        f"SELECT DISTINCT ON (page.seq) page.* FROM ("
+        f"SELECT by_author.* FROM unnest($4::text[], $5::bigint[], $6::bigint[]) AS a(author, lo, hi) "
         f"CROSS JOIN LATERAL (SELECT {_MESSAGE_COLUMNS}, vis.visibility_reason, vis.grant_id FROM scope_messages m "
         f"{readable_join('m', '$2')} WHERE m.scope_id = $3 AND m.workspace_id = $1 AND m.author_member_id = a.author "
         f"AND m.workspace_global_seq >= a.lo AND (a.hi IS NULL OR m.workspace_global_seq <= a.hi) AND {window} "
-        f"ORDER BY m.workspace_global_seq {order} LIMIT $8) page "
-        f"ORDER BY page.seq {order} LIMIT $8",
+        f"ORDER BY m.workspace_global_seq {order} LIMIT $8) by_author "
+        f"UNION ALL (SELECT {_MESSAGE_COLUMNS}, vis.visibility_reason, vis.grant_id FROM scope_messages m "
+        f"{readable_join('m', '$2')} WHERE m.scope_id = $3 AND m.workspace_id = $1 AND m.id = ANY($9::text[]) "
+        f"AND {window} ORDER BY m.workspace_global_seq {order} LIMIT $8)"
+        f") page ORDER BY page.seq {order} LIMIT $8",
         workspace_id, viewer, scope_id, [a[0] for a in authors], [a[1] for a in authors], [a[2] for a in authors],
-        bound, limit + 1,
+        bound, limit + 1, quoted,
     )
     page = list(rows[:limit])
     return (page if forward else list(reversed(page))), len(rows) > limit

@@ -997,7 +997,15 @@ SCHEMA = Schema(
     versions=(
         Version(1, "tenancy kernel and message domain",
                 before=tuple(f"CREATE EXTENSION IF NOT EXISTS {name}" for name in EXTENSIONS)),
-        Version(2, "private agents: grant windows, Scope Executions, People collaborators"),
+        Version(2, "private agents: grant windows, Scope Executions, People collaborators", after=(
+            # From version 2 these metadata keys are written by the server (explicit
+            # recipients, owner_quote copies); a version-1 client could have used
+            # them freely, so its values move aside instead of acting as routing facts.
+            "UPDATE scope_messages SET metadata = (metadata - 'recipients' - 'quote' - 'shared_by_member_id') "
+            "|| jsonb_strip_nulls(jsonb_build_object('client_recipients', metadata -> 'recipients', "
+            "'client_quote', metadata -> 'quote', 'client_shared_by_member_id', metadata -> 'shared_by_member_id')) "
+            "WHERE metadata ?| array['recipients', 'quote', 'shared_by_member_id']",
+        )),
     ),
     extensions=EXTENSIONS,
 )

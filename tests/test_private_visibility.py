@@ -237,3 +237,83 @@ async def test_a_private_agent_enters_scopes_only_through_its_owner(app: App, wo
                                                                 include_private=True, **ws))["members"]}
         assert members[agent["id"]]["visibility"] == "private"
         assert members[agent["id"]]["owner_member_id"] == alpha.owner.member_id
+
+
+async def _events_until_marker(agent_conn, owner_conn, scope_id: str, ws: dict) -> list[dict]:
+    """Everything the agent received up to a message its owner sends now (pushes
+    on one connection keep their publish order, so nothing earlier can follow it)."""
+    marker = await owner_conn.call("message.send", scope_id=scope_id, content="marker", **ws)
+    received = []
+    with trio.fail_after(20):
+        while True:
+            event = await agent_conn.next_event()
+            if event["event"] == "message.created" and event["data"]["id"] == marker["id"]:
+                return received
+            received.append(event)
+
+
+async def test_live_events_follow_the_agents_interval_typing_and_membership(app: App, world):
+    """Reactions on what it cannot read (its owner's messages from before it
+    joined) do not reach it; typing reaches it only from its owner; a
+    membership event says a member is private, with its owner."""
+    alpha, bob, carol, agent, channel, key, ws = world
+    async with await signed_in(app, alpha.owner) as owner, await signed_in(app, bob) as b:
+        later = await open_channel(owner, alpha.workspace_id, "later", [bob.member_id])
+        await b.call("subscribe", scopes=[{"scope_id": later["id"]}], **ws)
+        before = await owner.call("message.send", scope_id=later["id"], content="before the agent", **ws)
+        await owner.call("scope.invite", scope_id=later["id"], member_ids=[agent["id"]], **ws)
+        async with as_agent(app, key) as scout:
+            await scout.call("subscribe", scopes=[{"scope_id": later["id"]}], **ws)
+            await expect_error("not_found", scout.call("message.get", message_id=before["id"], **ws))
+            await b.call("reaction.add", message_id=before["id"], key=":eyes:", **ws)
+            await b.call("typing", scope_id=later["id"], **ws)
+            assert [e["event"] for e in await _events_until_marker(scout, owner, later["id"], ws)] == []
+            await owner.call("typing", scope_id=later["id"], **ws)
+            assert [e["event"] for e in await _events_until_marker(scout, owner, later["id"], ws)] == ["typing"]
+        opened = [e["data"] for e in b.queued_events() if e["event"] == "membership.changed"]
+        assert opened == [{"member_id": agent["id"], "action": "open", "roster_generation": opened[0]["roster_generation"],
+                           "visibility": "private", "owner_member_id": alpha.owner.member_id}]
+
+
+async def test_thread_entry_and_exit_follow_the_parent(app: App, world):
+    """Not by invitation into a thread (only by being addressed there); and
+    removed from the channel, it reads and is addressed in none of its threads."""
+    alpha, bob, carol, agent, channel, key, ws = world
+    scope = channel["id"]
+    async with await signed_in(app, alpha.owner) as owner:
+        root = await owner.call("message.send", scope_id=scope, content="root", **ws)
+        thread = (await owner.call("thread.reply", scope_id=scope, root_message_id=root["id"], content="r",
+                                   **ws))["scope_id"]
+        error = await expect_error("forbidden", owner.call("scope.invite", scope_id=thread, member_ids=[agent["id"]],
+                                                           **ws))
+        assert error.details["reason"] == "private_agent_not_admitted"
+        await owner.call("thread.reply", scope_id=scope, root_message_id=root["id"], content="@scout look", **ws)
+        async with as_agent(app, key) as scout:
+            assert await _history(scout, thread, ws) == ["@scout look"]
+        await owner.call("scope.remove", scope_id=scope, member_id=agent["id"], **ws)
+        later = await owner.call("thread.reply", scope_id=scope, root_message_id=root["id"], content="@scout after",
+                                 **ws)
+        assert "mentions" not in later.get("metadata", {})
+        async with as_agent(app, key) as scout:
+            assert await _history(scout, thread, ws) == []
+            await expect_error("not_found", scout.call("message.get", message_id=later["id"], **ws))
+
+
+async def test_what_the_owner_shared_is_in_the_agents_history(app: App, world):
+    """An owner_quote's source is readable by the owner's agent ('source_ref') on
+    every surface, history included; explain names the owner's quote, never
+    another member's."""
+    alpha, bob, carol, agent, channel, key, ws = world
+    scope = channel["id"]
+    async with await signed_in(app, alpha.owner) as owner, await signed_in(app, bob) as b:
+        source = await b.call("message.send", scope_id=scope, content="bob says", **ws)
+        mine = await open_channel(b, alpha.workspace_id, "bobs", [], visibility="private")
+        await b.call("message.forward", scope_id=mine["id"], source_message_ids=[source["id"]], mode="owner_quote",
+                     **ws)
+        quote = await owner.call("message.forward", scope_id=scope, source_message_ids=[source["id"]],
+                                 mode="owner_quote", comment="look", **ws)
+        explained = await owner.call("visibility.explain", message_id=source["id"], member_id=agent["id"], **ws)
+        assert (explained["reason"], explained["source_message_id"]) == ("source_ref", quote["id"])
+    async with as_agent(app, key) as scout:
+        assert await _history(scout, scope, ws) == ["bob says", "look"]
+        assert (await scout.call("message.get", message_id=source["id"], **ws))["message"]["content"] == "bob says"

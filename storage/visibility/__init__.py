@@ -31,14 +31,15 @@ from storage.visibility.predicate import (
     message_readable_sql,
     message_visibility_sql,
     private_reader_authors,
+    quoted_sources_in_scope,
     readable_join,
     scope_readable_sql,
 )
 
 __all__ = [
     "ENTITLED_MEMBERSHIPS", "author_authority_sql", "entitled_for_message", "entitled_roster", "explain_message",
-    "message_readable_sql", "message_visibility_sql", "private_reader_authors", "readable_join", "roster_entries", "scope_authority",
-    "scope_members", "scope_readable_sql", "viewer_membership",
+    "message_readable_sql", "message_visibility_sql", "private_reader_authors", "quoted_sources_in_scope", "readable_join", "roster_entries", "scope_authority",
+    "scope_members", "scope_readable_sql", "typing_audience", "viewer_membership",
 ]
 
 # The memberships that grant reading and delivery, as a relation usable in any FROM.
@@ -57,12 +58,25 @@ async def entitled_roster(conn: asyncpg.Connection, scope_id: str) -> frozenset[
 async def roster_entries(conn: asyncpg.Connection, scope_id: str) -> dict[str, RosterEntry]:
     """The scope actor's roster: who may write here and receives its events."""
     rows = await conn.fetch(
-        f"SELECT r.member_id, mem.kind, r.visibility, r.owner_member_id, r.last_read_seq FROM {ENTITLED_MEMBERSHIPS} r "
+        f"SELECT r.member_id, mem.kind, r.visibility, r.owner_member_id, r.last_read_seq, r.effective_from_seq "
+        f"FROM {ENTITLED_MEMBERSHIPS} r "
         f"JOIN members mem ON mem.workspace_id = r.workspace_id AND mem.id = r.member_id WHERE r.scope_id = $1",
         scope_id,
     )
     return {r["member_id"]: RosterEntry(r["member_id"], r["kind"], r["visibility"], r["owner_member_id"],
-                                        r["last_read_seq"]) for r in rows}
+                                        r["last_read_seq"], r["effective_from_seq"]) for r in rows}
+
+
+async def typing_audience(conn: asyncpg.Connection, scope_id: str, typist: str) -> frozenset[str]:
+    """Who sees `typist` typing here: the public members, and the private agents
+    that would read what the typist is writing — the typist's own agents (a
+    grantee's or collaborator's typing is not worth a window lookup per signal)."""
+    rows = await conn.fetch(
+        f"SELECT r.member_id FROM {ENTITLED_MEMBERSHIPS} r WHERE r.scope_id = $1 "
+        f"AND (r.visibility = 'public' OR r.owner_member_id = $2 OR r.member_id = $2)",
+        scope_id, typist,
+    )
+    return frozenset(r["member_id"] for r in rows)
 
 
 async def scope_members(conn: asyncpg.Connection, scope_id: str, *,

@@ -32,15 +32,38 @@ _ACTIVE = "EXISTS (SELECT 1 FROM members xm WHERE xm.workspace_id = {ms}.workspa
           "AND xm.status = 'active')"
 
 
-def _window(row: str, message: str) -> str:
+# A window closed by its expiry (not by a revoke, a removal or a leave): its
+# recorded end seq is only the expiry sweep's pruning bound, and the exact test
+# is created_at < expires_at — a message whose transaction began before the
+# expiry may take its global seq after the sweep.
+CLOSED_BY_EXPIRY = {
+    "grant": "{row}.revoked_by_member_id IS NULL",
+    "collaborator": "{row}.left_at IS NULL AND {row}.removed_at IS NULL",
+}
+
+
+def window_sql(row: str, message: str, kind: str) -> str:
+    """Was `message` written inside the grant (kind 'grant') or People collaborator
+    ('collaborator') window `row`?  By workspace_global_seq, and for an expiring
+    window only while created_at < expires_at."""
+    closed_by_expiry = CLOSED_BY_EXPIRY[kind].format(row=row)
     return (f"{message}.workspace_global_seq >= {row}.effective_from_global_seq "
-            f"AND ({row}.effective_to_global_seq IS NULL OR {message}.workspace_global_seq <= {row}.effective_to_global_seq) "
+            f"AND ({row}.effective_to_global_seq IS NULL OR {message}.workspace_global_seq <= {row}.effective_to_global_seq "
+            f"OR ({closed_by_expiry})) "
             f"AND ({row}.expires_at IS NULL OR {message}.created_at < {row}.expires_at)")
 
 
 def _chain(message: str) -> str:
     """The scope of `message` and, for a thread, its parent: where authority for it may come from."""
     return f"({message}.scope_id, (SELECT cs.parent_scope_id FROM scopes cs WHERE cs.id = {message}.scope_id))"
+
+
+def _still_in_parent(member: str, scope_id: str) -> str:
+    """A private agent reads a thread only while it is a private member of the
+    thread's parent (scope-model §5.2): removal from the channel ends it."""
+    return (f"NOT EXISTS (SELECT 1 FROM scopes ts WHERE ts.id = {scope_id} AND ts.parent_scope_id IS NOT NULL "
+            f"AND NOT EXISTS (SELECT 1 FROM scope_memberships tp WHERE tp.scope_id = ts.parent_scope_id "
+            f"AND tp.member_id = {member} AND tp.effective_to_seq IS NULL AND tp.visibility = 'private'))")
 
 
 def _in_interval(member: str, message: str) -> str:
@@ -55,11 +78,11 @@ def author_authority_sql(message: str, owner: str) -> str:
     return (
         f"COALESCE((SELECT 'grant:' || g.id FROM scope_private_grants g WHERE g.scope_id IN {_chain(message)} "
         f"AND g.owner_member_id = {owner} AND g.grantee_member_id = {message}.author_member_id "
-        f"AND {_window('g', message)} ORDER BY g.created_at LIMIT 1), "
+        f"AND {window_sql('g', message, 'grant')} ORDER BY g.created_at LIMIT 1), "
         f"(SELECT 'collaborator:' || p.id FROM scope_executions e JOIN task_scope_participant_metadata p "
         f"ON p.owner_scope_execution_id = e.id WHERE e.scope_id IN {_chain(message)} "
         f"AND e.owner_member_id = {owner} AND p.member_id = {message}.author_member_id "
-        f"AND {_window('p', message)} ORDER BY p.added_at LIMIT 1))"
+        f"AND {window_sql('p', message, 'collaborator')} ORDER BY p.added_at LIMIT 1))"
     )
 
 
@@ -77,7 +100,7 @@ def message_visibility_sql(message: str = "m", viewer: str = "$2") -> str:
         f"ELSE {author_authority_sql(message, 'om.owner_member_id')} END "
         f"FROM scope_memberships om WHERE om.scope_id = {message}.scope_id AND om.member_id = {viewer} "
         f"AND om.effective_to_seq IS NULL AND om.visibility = 'private' AND {_ACTIVE.format(ms='om')} "
-        f"AND {_in_interval(viewer, message)})"
+        f"AND {_in_interval(viewer, message)} AND {_still_in_parent(viewer, f'{message}.scope_id')})"
     )
     source = (
         f"(SELECT 'source_ref' FROM members vm WHERE vm.workspace_id = {message}.workspace_id AND vm.id = {viewer} "
@@ -87,7 +110,7 @@ def message_visibility_sql(message: str = "m", viewer: str = "$2") -> str:
         f"AND qm.effective_to_seq IS NULL AND qm.visibility = 'private' "
         f"WHERE src.workspace_id = {message}.workspace_id AND src.source_message_id = {message}.id "
         f"AND src.source_kind = 'owner_quote' AND q.author_member_id = vm.owner_member_id "
-        f"AND {_in_interval('vm.id', 'q')}))"
+        f"AND {_in_interval('vm.id', 'q')} AND {_still_in_parent('vm.id', 'q.scope_id')}))"
     )
     return f"COALESCE({public}, {private}, {source})"
 
@@ -145,9 +168,13 @@ async def explain_message(conn: asyncpg.Connection, workspace_id: str, viewer: s
                coalesce(g.effective_from_global_seq, p.effective_from_global_seq) AS window_from_global_seq,
                coalesce(g.effective_to_global_seq, p.effective_to_global_seq) AS window_to_global_seq,
                coalesce(g.expires_at, p.expires_at) AS window_expires_at,
-               (SELECT src.message_id FROM scope_message_sources src WHERE split_part(v.value, ':', 1) = 'source_ref'
+               (SELECT src.message_id FROM scope_message_sources src
+                  JOIN scope_messages q ON q.scope_id = src.target_scope_id AND q.id = src.message_id
+                  JOIN members vm ON vm.workspace_id = q.workspace_id AND vm.id = $2
+                  WHERE split_part(v.value, ':', 1) = 'source_ref'
                   AND src.workspace_id = m.workspace_id AND src.source_message_id = m.id
-                  AND src.source_kind = 'owner_quote' ORDER BY src.created_at LIMIT 1) AS quoted_by_message_id
+                  AND src.source_kind = 'owner_quote' AND q.author_member_id = vm.owner_member_id
+                  AND {_in_interval('$2', 'q')} ORDER BY src.created_at LIMIT 1) AS quoted_by_message_id
         FROM scope_messages m
         CROSS JOIN LATERAL (SELECT {message_visibility_sql('m', '$2')} AS value) v
         LEFT JOIN scope_memberships iv ON iv.scope_id = m.scope_id AND iv.member_id = $2
@@ -195,12 +222,12 @@ async def private_reader_authors(conn: asyncpg.Connection, scope_id: str,
             UNION ALL SELECT am.member_id, 0, NULL FROM scope_memberships am, reader
              WHERE am.scope_id = $1 AND am.visibility = 'private' AND am.owner_member_id = reader.owner
             UNION ALL SELECT g.grantee_member_id, g.effective_from_global_seq,
-                             CASE WHEN g.expires_at IS NULL OR g.effective_to_global_seq IS NOT NULL
-                                  THEN g.effective_to_global_seq END
+                             CASE WHEN g.revoked_by_member_id IS NOT NULL THEN g.effective_to_global_seq
+                                  WHEN g.expires_at IS NULL THEN g.effective_to_global_seq END
               FROM scope_private_grants g, reader
              WHERE g.scope_id IN (SELECT id FROM chain) AND g.owner_member_id = reader.owner
             UNION ALL SELECT p.member_id, p.effective_from_global_seq,
-                             CASE WHEN p.expires_at IS NULL OR p.effective_to_global_seq IS NOT NULL
+                             CASE WHEN p.left_at IS NOT NULL OR p.removed_at IS NOT NULL OR p.expires_at IS NULL
                                   THEN p.effective_to_global_seq END
               FROM scope_executions e JOIN task_scope_participant_metadata p ON p.owner_scope_execution_id = e.id,
                    reader
@@ -215,3 +242,18 @@ async def private_reader_authors(conn: asyncpg.Connection, scope_id: str,
     if not rows:
         return None
     return [(r["author"], r["lo"], r["hi"]) for r in rows]
+
+
+async def quoted_sources_in_scope(conn: asyncpg.Connection, scope_id: str, viewer: str) -> list[str]:
+    """Messages of the scope a private agent reads as 'source_ref': those its owner
+    quoted (owner_quote) somewhere the agent reads the quote.  Explicit shares only,
+    so the list stays short; history merges them with the per-author pages."""
+    rows = await conn.fetch(
+        f"SELECT DISTINCT src.source_message_id FROM members vm JOIN scope_message_sources src "
+        f"ON src.workspace_id = vm.workspace_id AND src.source_kind = 'owner_quote' AND src.source_scope_id = $1 "
+        f"JOIN scope_messages q ON q.scope_id = src.target_scope_id AND q.id = src.message_id "
+        f"AND q.author_member_id = vm.owner_member_id "
+        f"WHERE vm.id = $2 AND vm.kind = 'agent' AND vm.visibility = 'private' AND {_in_interval('vm.id', 'q')}",
+        scope_id, viewer,
+    )
+    return [r["source_message_id"] for r in rows]

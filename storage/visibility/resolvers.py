@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncpg
 
-from storage.visibility import message_readable_sql
+from storage.visibility.predicate import message_readable_sql, window_sql
 
 # Private agents matching a prefix looked at before authorization: a hard cap
 # separate from (and well above) the result size, so other owners' agents the
@@ -115,16 +115,12 @@ async def message_context_states(conn: asyncpg.Connection, workspace_id: str, ch
         "FROM scope_messages m JOIN members a ON a.workspace_id = m.workspace_id AND a.id = m.author_member_id "
         "LEFT JOIN LATERAL (SELECT g.id, g.scope_id FROM scope_private_grants g "
         "WHERE g.scope_id = ANY($2::text[]) AND g.owner_member_id = $4 AND g.grantee_member_id = m.author_member_id "
-        "AND g.effective_from_global_seq <= m.workspace_global_seq "
-        "AND (g.effective_to_global_seq IS NULL OR m.workspace_global_seq <= g.effective_to_global_seq) "
-        "AND (g.expires_at IS NULL OR m.created_at < g.expires_at) "
+        f"AND {window_sql('g', 'm', 'grant')} "
         "ORDER BY array_position($2::text[], g.scope_id), g.effective_from_global_seq LIMIT 1) g ON true "
         "LEFT JOIN LATERAL (SELECT p.id, e.scope_id FROM scope_executions e "
         "JOIN task_scope_participant_metadata p ON p.owner_scope_execution_id = e.id "
         "WHERE e.scope_id = ANY($2::text[]) AND e.owner_member_id = $4 AND p.member_id = m.author_member_id "
-        "AND p.effective_from_global_seq <= m.workspace_global_seq "
-        "AND (p.effective_to_global_seq IS NULL OR m.workspace_global_seq <= p.effective_to_global_seq) "
-        "AND (p.expires_at IS NULL OR m.created_at < p.expires_at) "
+        f"AND {window_sql('p', 'm', 'collaborator')} "
         "ORDER BY array_position($2::text[], e.scope_id), p.effective_from_global_seq LIMIT 1) c ON true "
         "LEFT JOIN LATERAL (SELECT q.id, q.scope_id FROM scope_message_sources src "
         "JOIN scope_messages q ON q.scope_id = src.target_scope_id AND q.id = src.message_id "
