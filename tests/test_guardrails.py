@@ -39,7 +39,8 @@ AUTHORITY_TABLES = ("scope_private_grants", "scope_executions", "task_scope_part
 def test_only_the_applier_writes_message_domain_rows():
     tables = "|".join(t for t in MESSAGE_DOMAIN_TABLES if t not in AUTHORITY_TABLES)
     write = re.compile(rf"\b(INSERT\s+INTO|UPDATE|DELETE\s+FROM)\s+({tables})\b")
-    allowed = {ROOT / "storage" / "applier.py"}
+    # The schema definition's version steps may move data once, at migration time.
+    allowed = {ROOT / "storage" / "applier.py", ROOT / "storage" / "schema.py"}
     offenders = [str(p.relative_to(ROOT)) for p in _sources("storage", "server", "actors")
                  if p not in allowed and write.search(p.read_text())]
     assert offenders == []

@@ -14,10 +14,10 @@ removed and re-invited, let expiring windows lapse, and reconnect with an old
 cursor.
 
 After each step that can change what an agent reads, each private agent —
-connected with an API key its owner created — reads every surface and is
-checked against the model: history (with the thread root as context and the
-reactions it shows), permalinks of the new messages, and its inbox previews
-and unread counts.  Every send is checked against the model's wake authority
+connected with an API key its owner created — is checked against the model
+on what the step may have changed: the history of the scopes it touched (with
+the thread root as context and the reactions it shows), the permalinks of the
+new messages, and its inbox previews and unread counts.  Every send is checked against the model's wake authority
 (`metadata.mentions`, `metadata.recipients`, `recipient_not_addressable`).
 Each agent holds one connection subscribed to the workspace feed for the whole
 example: the `message.created` and `reaction.added` events it receives must be
@@ -341,6 +341,9 @@ class World:
         # not say whether their events reach it (the fanout follows the message's scope).
         self.optional_reactions: dict[str, set[tuple[str, str, str]]] = {a: set() for a in PRIVATE_AGENTS}
         self.unchecked: list[Msg] = []  # permalinks not checked yet
+        # Scopes whose history a step may have changed (nothing is retroactive, so
+        # the others stand until the final check reads everything again).
+        self.touched: set[str] = set()
         self.counter = itertools.count(1)
         self.expiry_waits = 0
 
@@ -366,6 +369,7 @@ class World:
         state.latest_seq, model.global_seq = message.seq, message.gseq
         model.messages.append(message)
         self.unchecked.append(message)
+        self.touched.add(scope)
         return message
 
     def expect_live(self, message: Msg) -> None:
@@ -451,6 +455,7 @@ class World:
                                mode="owner_quote", comment=f"quote {next(self.counter)}")
         message = self.record(info, state.name, owner)
         message.sources = (source.id,)
+        self.touched.add(source.scope)
         self.expect_live(message)
         return True
 
@@ -473,6 +478,7 @@ class World:
         if (reactor, key) in message.reactions:
             return True  # nothing changed: no event
         message.reactions.add((reactor, key))
+        self.touched.add(message.scope)
         for agent in PRIVATE_AGENTS:
             verdict = model.readable(agent, message)
             if verdict is not None:
@@ -575,6 +581,7 @@ class World:
         else:
             await self.call(agent, "scope.leave", scope_id=state.id)
         state.close(agent)
+        self.touched.update(SCOPES if scope == "C" else (scope,))  # its threads go with the channel
         return True
 
     async def agent_rejoin(self, agent: str) -> bool:
@@ -583,6 +590,7 @@ class World:
             return False
         await self.call(OWNER_OF[agent], "scope.invite", scope_id=channel.id, member_ids=[self.member_ids[agent]])
         channel.open(agent)
+        self.touched.update(SCOPES)
         return True
 
     async def let_expire(self) -> bool:
@@ -660,10 +668,10 @@ class World:
         raise AssertionError(f"{surface}: missing {sorted(map(show, expected - got))}, "
                              f"not allowed {sorted(map(show, got - expected))}")
 
-    async def check_reads(self, agent: str, *, permalinks: list[Msg], paged: bool) -> None:
+    async def check_reads(self, agent: str, *, scopes: set[str], permalinks: list[Msg], paged: bool) -> None:
         model = self.model
         for name, state in model.scopes.items():
-            if name.startswith("D") and name != DM_OF[agent]:
+            if name not in scopes or (name.startswith("D") and name != DM_OF[agent]):
                 continue
             if not state.is_open(agent):
                 try:
@@ -718,7 +726,7 @@ class World:
         scope_id = self.model.scopes[scope].id
         forward, after = [], 0
         while True:
-            page = await self.call(agent, "message.history", scope_id=scope_id, after_seq=after, limit=3)
+            page = await self.call(agent, "message.history", scope_id=scope_id, after_seq=after, limit=4)
             forward += [m["id"] for m in page["messages"]]
             if not page["has_more"]:
                 break
@@ -726,7 +734,7 @@ class World:
         assert forward == expected, f"{agent} paging {scope} forward"
         backward, before = [], {}
         while True:
-            page = await self.call(agent, "message.history", scope_id=scope_id, limit=3, **before)
+            page = await self.call(agent, "message.history", scope_id=scope_id, limit=4, **before)
             backward = [m["id"] for m in page["messages"]] + backward
             if not page["has_more"]:
                 break
@@ -768,10 +776,11 @@ class World:
 
     async def check_step(self, *, final: bool = False) -> None:
         permalinks = self.model.messages if final else self.unchecked
-        self.unchecked = []
+        scopes = set(self.model.scopes) if final else self.touched
+        self.unchecked, self.touched = [], set()
 
         async def one(agent: str) -> None:
-            await self.check_reads(agent, permalinks=permalinks, paged=final)
+            await self.check_reads(agent, scopes=scopes, permalinks=permalinks, paged=final)
             await self.check_inbox(agent)
             if final:
                 await self.check_explain(agent)

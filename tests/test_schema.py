@@ -1,6 +1,8 @@
 """One schema definition: bootstrap = migrate, verify catches every kind of drift."""
 
 import asyncpg
+import json
+
 import pytest
 
 from storage.bridge import Database
@@ -98,3 +100,34 @@ async def test_a_version_1_database_migrates_to_the_current_schema(empty_databas
         assert await database.run(migrate, first) == [1]
         assert await database.run(migrate) == [v.number for v in SCHEMA.versions[1:]]
         assert await database.run(verify) == []
+
+
+async def test_version_2_moves_legacy_client_routing_keys_aside(empty_database_dsn: str):
+    """Keys the server writes from version 2 on (`recipients`, `quote`,
+    `shared_by_member_id`) may sit in a version-1 client's metadata; the upgrade
+    renames them so they can never act as routing facts."""
+    first = Schema(tables=SCHEMA.tables, versions=SCHEMA.versions[:1], extensions=SCHEMA.extensions)
+
+    async def legacy_message(conn) -> None:
+        await conn.execute("INSERT INTO accounts (id, email_normalized, display_name) "
+                           "VALUES ('acc_00000000000001', 'a@example.com', 'A')")
+        await conn.execute("INSERT INTO workspaces (id, instance_id, name, slug, type, created_by_account_id) "
+                           "VALUES ('wsp_00000000000001', 'i', 'W', 'w', 'team', 'acc_00000000000001')")
+        await conn.execute("INSERT INTO members (id, workspace_id, kind, handle, display_name) "
+                           "VALUES ('mem_00000000000001', 'wsp_00000000000001', 'service', 'svc', 'Svc')")
+        await conn.execute("INSERT INTO scopes (id, workspace_id, type) VALUES ('scp_00000000000001', "
+                           "'wsp_00000000000001', 'channel')")
+        await conn.execute(
+            "INSERT INTO scope_messages (id, workspace_id, scope_id, seq, workspace_global_seq, author_member_id, "
+            "author_type, notify_principal_member_id, idempotency_subject_member_id, message_type, content, metadata) "
+            "VALUES ('msg_00000000000001', 'wsp_00000000000001', 'scp_00000000000001', 1, 1, 'mem_00000000000001', "
+            "'service', 'mem_00000000000001', 'mem_00000000000001', 'text', 'hi', "
+            "'{\"recipients\": [\"mem_x\"], \"quote\": \"q\", \"keep\": 1}')")
+
+    async with Database(empty_database_dsn) as database:
+        await database.run(migrate, first)
+        await database.run(legacy_message)
+        await database.run(migrate)
+        metadata = await database.run(lambda conn: conn.fetchval(
+            "SELECT metadata::text FROM scope_messages WHERE id = 'msg_00000000000001'"))
+        assert json.loads(metadata) == {"keep": 1, "client_recipients": ["mem_x"], "client_quote": "q"}
