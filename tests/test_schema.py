@@ -1,8 +1,8 @@
 """One schema definition: bootstrap = migrate, verify catches every kind of drift."""
 
-import asyncpg
 import json
 
+import asyncpg
 import pytest
 
 from storage.bridge import Database
