@@ -49,10 +49,11 @@ Figure 2, history   `message.history {scope_id, before_seq, limit=--page-size}` 
                     exact set of readable seqs below the cursor, in order).
                     Target (issue 12): private p99 / public p99 <= 1.5.
 
-Method: cases are measured in blocks of --block calls; every round runs one block of every
-case in a shuffled order, so drift and background load hit all cases alike.  A repeat is
---rounds rounds; --repeats (3) repeats; per repeat nearest-rank p50/p90/p99 per case, reported
-as the median over repeats with the spread (min, max).  CPU per call: the server process, the
+Method: cases are measured in blocks of --block calls (--history-block for history cases); every
+round runs one block of every case in a shuffled order, so drift and background load hit all
+cases alike.  A repeat is --rounds rounds (100 resolver calls and 50 history pages per case by
+default; p99 of 50 samples is their maximum); --repeats (3) repeats; per repeat nearest-rank
+p50/p90/p99 per case, reported as the median over repeats with the spread (min, max).  CPU per call: the server process, the
 PostgreSQL cluster (postmaster and backends) and this client process, summed over each case's
 blocks.  Warmup calls are never timed.
 
@@ -595,7 +596,8 @@ async def measure(cases: list[Case], args: argparse.Namespace, probe: CpuProbe,
             for case in order:
                 before = probe.begin()
                 bucket = case.samples[-1]
-                for _ in range(args.block):
+                block = args.history_block if case.figure == "history" else args.block
+                for _ in range(block):
                     t0 = time.perf_counter()
                     result = await case.call()
                     bucket.append((time.perf_counter() - t0) * 1000.0)
@@ -605,12 +607,12 @@ async def measure(cases: list[Case], args: argparse.Namespace, probe: CpuProbe,
                 for i, part in enumerate(("server", "postgres", "client")):
                     case.cpu[part] += after[i] - before[i]
                     ours += after[i] - before[i]
-                case.calls += args.block
+                case.calls += block
         wall = time.perf_counter() - started
         busy = machine_busy_seconds() - machine_before
         load.append({**quiet, "wall_s": round(wall, 2), "machine_cpus_busy": round(busy / wall, 2),
                      "other_work_cpus_busy": round(max(0.0, busy - ours) / wall, 2)})
-        log(f"  repeat {repeat + 1}/{args.repeats}: {len(cases)} cases x {args.rounds * args.block} calls "
+        log(f"  repeat {repeat + 1}/{args.repeats}: {len(cases)} cases, {args.rounds} rounds "
             f"({wall:.1f}s; machine {load[-1]['machine_cpus_busy']} cores busy, "
             f"{load[-1]['other_work_cpus_busy']} of them other work)")
     return load
@@ -877,7 +879,7 @@ def _rows_scanned(node: dict) -> int:
 
 async def _plan_text(pg: asyncpg.Connection, query: str, params: tuple) -> list[str]:
     rows = await pg.fetch(f"EXPLAIN (ANALYZE, BUFFERS, COSTS OFF, TIMING OFF) {query}", *params)
-    return [r[0] for r in rows][:60]
+    return [r[0] if len(r[0]) <= 300 else r[0][:300] + " ..." for r in rows][:60]
 
 
 # ----------------------------------------------------------------------------- report
@@ -982,7 +984,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pages-per-point", type=int, default=10, help="pages walked back from each point (10)")
     p.add_argument("--repeats", type=int, default=3, help="repeats (3)")
     p.add_argument("--rounds", type=int, help="rounds per repeat; each runs one block of every case (10; quick 1)")
-    p.add_argument("--block", type=int, help="calls per case per round (10; quick 3)")
+    p.add_argument("--block", type=int, help="calls per resolver case per round (10; quick 3)")
+    p.add_argument("--history-block", type=int, help="calls per history case per round (5; quick 3)")
     p.add_argument("--warmup", type=int, help="untimed calls per case before the first repeat (5; quick 1)")
     p.add_argument("--wait-idle", type=float, help="before each repeat, wait at most this long for the machine "
                                                    "to be nearly idle (120 s; quick 0)")
@@ -1000,6 +1003,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.random_points = args.random_points or (3 if quick else 6)
     args.rounds = args.rounds or (1 if quick else 10)
     args.block = args.block or (3 if quick else 10)
+    args.history_block = args.history_block or (3 if quick else 5)
     args.warmup = args.warmup if args.warmup is not None else (1 if quick else 5)
     args.wait_idle = args.wait_idle if args.wait_idle is not None else (0.0 if quick else 120.0)
     args.parts = [s.strip() for s in args.parts.split(",") if s.strip()]

@@ -452,8 +452,11 @@ async def test_explain_is_for_the_member_itself_or_its_owner(app: App, team):
             assert "effective_to_seq" not in explained["membership"]
             assert explained["window"] == {"kind": "grant", "scope_id": channel["id"],
                                            "effective_from_global_seq": bob_grant["effective_from_global_seq"]}
-            assert await conn.call("visibility.explain", message_id=before["id"], member_id=agent["id"],
-                                   **ws) == {"readable": False}
+        # "Not readable" only about a message the caller reads: the agent learns nothing of it.
+        assert await o.call("visibility.explain", message_id=before["id"], member_id=agent["id"],
+                            **ws) == {"readable": False}
+        await expect_error("not_found", agent_conn.call("visibility.explain", message_id=before["id"],
+                                                        member_id=agent["id"], **ws))
         mine = await o.call("visibility.explain", message_id=inside["id"], member_id=owner, **ws)
         assert (mine["readable"], mine["reason"], mine["membership"]["scope_id"]) == (True, "membership", channel["id"])
         # Nobody else learns anything, not even whether the member exists.
@@ -462,7 +465,7 @@ async def test_explain_is_for_the_member_itself_or_its_owner(app: App, team):
                                                    member_id=member_id, **ws))
         await expect_error("not_found", agent_conn.call("visibility.explain", message_id=inside["id"],
                                                         member_id=owner, **ws))
-        # An unknown message is simply not readable.
-        assert await o.call("visibility.explain", message_id="msg_doesnotexist00", member_id=agent["id"],
-                            **ws) == {"readable": False}
+        # An unknown message is not found.
+        await expect_error("not_found", o.call("visibility.explain", message_id="msg_doesnotexist00",
+                                               member_id=agent["id"], **ws))
         await expect_error("invalid", o.call("visibility.explain", message_id=inside["id"], member_id="x", **ws))

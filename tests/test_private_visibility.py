@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 import trio
 
-from client import connect
+from client import ClientError, connect
 from tests.conftest import App, add_person
 from tests.test_messaging import open_channel
 from tests.test_tenancy import expect_error, signed_in
@@ -317,3 +317,56 @@ async def test_what_the_owner_shared_is_in_the_agents_history(app: App, world):
     async with as_agent(app, key) as scout:
         assert await _history(scout, scope, ws) == ["bob says", "look"]
         assert (await scout.call("message.get", message_id=source["id"], **ws))["message"]["content"] == "bob says"
+
+
+async def test_every_private_agent_command_probed_across_workspaces_answers_not_found(app: App, world, tenants,
+                                                                                      member_password_hash):
+    """Another workspace's scopes, messages, members, grants and collaborators are
+    not found — never forbidden — whichever workspace the request names."""
+    from server.ops import collaboration, private_agents
+
+    alpha, bob, carol, agent, channel, key, ws = world
+    _, beta = tenants
+    b_person = await add_person(app.db, beta.workspace_id, "b-person@example.com", "developer",
+                                member_password_hash)
+    b = {"workspace_id": beta.workspace_id}
+    async with await signed_in(app, beta.owner) as owner_b:
+        b_agent = await owner_b.call("agent.create", handle="b-scout", display_name="B", **b)
+        b_channel = await open_channel(owner_b, beta.workspace_id, "b-room", [b_person.member_id, b_agent["id"]])
+        b_message = await owner_b.call("message.send", scope_id=b_channel["id"], content="beta only", **b)
+        b_grant = await owner_b.call("private_grant.create", scope_id=b_channel["id"],
+                                     grantee_member_id=b_person.member_id, **b)
+        b_collaborator = await owner_b.call("collaborator.add", scope_id=b_channel["id"],
+                                            member_id=b_person.member_id, confirm_channel=True, no_expiry=True, **b)
+    a = ws
+    scope = {"scope_id": b_channel["id"]}
+    probes = {
+        "private_grant.create": [dict(a, **scope, grantee_member_id=bob.member_id),
+                                 dict(a, scope_id=channel["id"], grantee_member_id=b_person.member_id)],
+        "private_grant.revoke": [dict(a, grant_id=b_grant["id"]), dict(b, grant_id=b_grant["id"])],
+        "private_grant.list": [b],
+        "collaborator.add": [dict(a, **scope, member_id=bob.member_id, confirm_channel=True, no_expiry=True),
+                             dict(a, scope_id=channel["id"], member_id=b_person.member_id, confirm_channel=True,
+                                  no_expiry=True)],
+        "collaborator.remove": [dict(a, collaborator_id=b_collaborator["id"])],
+        "collaborator.leave": [dict(a, collaborator_id=b_collaborator["id"])],
+        "collaborator.update_expiry": [dict(a, collaborator_id=b_collaborator["id"], no_expiry=True)],
+        "collaborator.list": [dict(a, **scope)],
+        "collaborator.overview": [b],
+        "private_agent.candidates": [dict(a, **scope)],
+        "private_agent.contribution": [dict(a, **scope, owner_member_id=beta.owner.member_id)],
+        "private_agent.context_state": [dict(a, **scope, message_ids=[b_message["id"]])],
+        "visibility.explain": [dict(a, message_id=b_message["id"], member_id=b_agent["id"]),
+                               dict(a, message_id=b_message["id"], member_id=agent["id"])],
+    }
+    ops = {cls.__struct_config__.tag for cls in (*collaboration.HANDLERS, *private_agents.HANDLERS)}
+    assert ops == set(probes)
+    async with await signed_in(app, alpha.owner) as conn:
+        for op, variants in probes.items():
+            for fields in variants:
+                try:
+                    answer = await conn.call(op, **fields)
+                except ClientError as error:
+                    assert error.code == "not_found", (op, fields, error)
+                else:
+                    pytest.fail(f"{op} {fields} answered {answer}")

@@ -8,24 +8,26 @@ agent A2 and O1's public agent P1; a channel C (everyone a member, the private
 agents as private members invited by their owners), two sibling threads T and
 T2 under it, and a DM between each private agent and its owner.  Steps send
 messages (addressing an agent by @mention or as an explicit recipient), react,
-grant and revoke private authority, add / remove People collaborators (who
-may also leave), share messages as owner_quotes, make agents leave or be
-removed and re-invited, let expiring windows lapse, and reconnect with an old
-cursor.
+edit, grant and revoke private authority, add / remove People collaborators
+(who may also leave) and move their expiry, share messages as owner_quotes,
+make agents leave or be removed and re-invited, let expiring windows lapse,
+and reconnect with an old cursor.
 
 After each step that can change what an agent reads, each private agent —
 connected with an API key its owner created — is checked against the model
 on what the step may have changed: the history of the scopes it touched (with
 the thread root as context and the reactions it shows), the permalinks of the
-new messages, and its inbox previews and unread counts.  Every send is checked against the model's wake authority
-(`metadata.mentions`, `metadata.recipients`, `recipient_not_addressable`).
-Each agent holds one connection subscribed to the workspace feed for the whole
-example: the `message.created` and `reaction.added` events it receives must be
-exactly those the model lets it read (checked at each resume and at the end).
-At the end: history paged both ways, every permalink, `visibility.explain`,
-and a resume from the start.
+new messages, and its inbox previews and unread counts.  Every send is
+checked against the model's wake authority (`metadata.mentions`,
+`metadata.recipients`, `recipient_not_addressable`).  Each agent holds one
+connection subscribed to the workspace feed for the whole example: the
+`message.created`, `reaction.added` and `message.edited` events it receives
+must be exactly those about messages the model lets it read (checked at each
+resume and at the end).  At the end: history paged both ways, every
+permalink, `visibility.explain`, and a resume from the start.
 
-The model is written from the model's text alone: it imports nothing from
+The model is written from the rules in prose (README "Private agents, grants
+and collaborators"; scope-model.md §3.9, §5.2) and imports nothing from
 storage/ or actors/.  Examples share one server (in a thread) and one
 workspace; each builds its own agents and scopes.
 """
@@ -109,6 +111,8 @@ class Msg:
     author: str
     created_ms: int
     content: str
+    revision: int = 1
+    withdrawn: bool = False
     sources: tuple[str, ...] = ()  # what an owner_quote shares
     reactions: set[tuple[str, str]] = field(default_factory=set)  # (role, key)
 
@@ -273,7 +277,8 @@ class Model:
 
     def unread(self, viewer: str, scope: str) -> int:
         last_read = self.scopes[scope].members[viewer].last_read_seq
-        return sum(1 for m in self.readable_in(viewer, scope) if m.seq > last_read and m.author != viewer)
+        return sum(1 for m in self.readable_in(viewer, scope)
+                   if m.seq > last_read and m.author != viewer and not m.withdrawn)
 
 
 # --- the live harness ---------------------------------------------------------------------------------
@@ -285,6 +290,8 @@ class Collector:
         self.conn = conn
         self.created: list[str] = []
         self.reactions: set[tuple[str, str, str]] = set()
+        self.edited: set[tuple[str, int]] = set()  # (message id, revision)
+        self.withdrawn: set[str] = set()
         self._changed = trio.Event()
 
     async def run(self) -> None:
@@ -298,6 +305,10 @@ class Collector:
             elif event["event"] == "reaction.added":
                 data = event["data"]
                 self.reactions.add((data["message_id"], data["key"], data["member_id"]))
+            elif event["event"] == "message.edited":
+                self.edited.add((event["data"]["id"], event["data"]["revision"]))
+            elif event["event"] == "message.withdrawn":
+                self.withdrawn.add(event["data"]["id"])
             self._changed.set()
             self._changed = trio.Event()
 
@@ -326,7 +337,6 @@ class World:
     def __init__(self, base: Base, number: int, nursery: trio.Nursery) -> None:
         self.base = base
         self.workspace_id = base.workspace_id
-        self.number = number
         self.nursery = nursery
         self.member_ids = dict(base.member_ids)
         self.handles = {role: f"{role.lower()}-{number}" for role in (*PRIVATE_AGENTS, "P1")}
@@ -337,9 +347,13 @@ class World:
         self.live_from = 0
         self.expected_created: dict[str, set[str]] = {a: set() for a in PRIVATE_AGENTS}
         self.expected_reactions: dict[str, set[tuple[str, str, str]]] = {a: set() for a in PRIVATE_AGENTS}
-        # Reactions on what an agent reads only through an owner_quote: the model does
-        # not say whether their events reach it (the fanout follows the message's scope).
+        self.expected_edits: dict[str, set[tuple[str, int]]] = {a: set() for a in PRIVATE_AGENTS}
+        # Reactions and edits of what an agent reads only through an owner_quote: the
+        # model does not say whether their events reach it (fanout follows the scope).
         self.optional_reactions: dict[str, set[tuple[str, str, str]]] = {a: set() for a in PRIVATE_AGENTS}
+        self.optional_edits: dict[str, set[tuple[str, int]]] = {a: set() for a in PRIVATE_AGENTS}
+        self.expected_withdrawals: dict[str, set[str]] = {a: set() for a in PRIVATE_AGENTS}
+        self.optional_withdrawals: dict[str, set[str]] = {a: set() for a in PRIVATE_AGENTS}
         self.unchecked: list[Msg] = []  # permalinks not checked yet
         # Scopes whose history a step may have changed (nothing is retroactive, so
         # the others stand until the final check reads everything again).
@@ -447,7 +461,7 @@ class World:
         agents there read the source from then on (never a collaborator)."""
         model = self.model
         state = model.scopes[DM_OF[{"O1": "A1", "O2": "A2"}[owner]] if scope == "DM" else scope]
-        sources = [m for m in model.messages if model.public_reads(owner, m)]
+        sources = [m for m in model.messages if not m.withdrawn and model.public_reads(owner, m)]
         if not state.is_open(owner) or not sources:
             return False
         source = sources[index % len(sources)]
@@ -470,7 +484,7 @@ class World:
 
     async def react(self, reactor: str, index: int, key: str) -> bool:
         model = self.model
-        candidates = [m for m in model.messages if model.public_reads(reactor, m)]
+        candidates = [m for m in model.messages if not m.withdrawn and model.public_reads(reactor, m)]
         if not candidates:
             return False
         message = candidates[index % len(candidates)]
@@ -479,12 +493,47 @@ class World:
             return True  # nothing changed: no event
         message.reactions.add((reactor, key))
         self.touched.add(message.scope)
-        for agent in PRIVATE_AGENTS:
-            verdict = model.readable(agent, message)
-            if verdict is not None:
-                wanted = self.optional_reactions if verdict[0] == "source_ref" else self.expected_reactions
-                wanted[agent].add((message.id, key, self.member_ids[reactor]))
+        self._expect_event(message, (message.id, key, self.member_ids[reactor]), self.expected_reactions,
+                           self.optional_reactions)
         return True
+
+    def _expect_event(self, message: Msg, item: tuple, expected: dict, optional: dict) -> None:
+        """Events about a message reach the agents that read it."""
+        for agent in PRIVATE_AGENTS:
+            verdict = self.model.readable(agent, message)
+            if verdict is not None:
+                (optional if verdict[0] == "source_ref" else expected)[agent].add(item)
+
+    async def edit(self, author: str, index: int) -> bool:
+        """The author edits one of its messages: agents that read it hear of it."""
+        message = self._own_message(author, index)
+        if message is None:
+            return False
+        info = await self.call(author, "message.edit", message_id=message.id, content=f"edit {next(self.counter)}",
+                               expected_revision=message.revision)
+        message.content, message.revision = info["content"], info["revision"]
+        self.touched.add(message.scope)
+        self._expect_event(message, (message.id, message.revision), self.expected_edits, self.optional_edits)
+        return True
+
+    async def withdraw(self, author: str, index: int) -> bool:
+        """The author withdraws one of its messages: it stays readable as a tombstone,
+        and the agents that read it hear of it."""
+        message = self._own_message(author, index)
+        if message is None:
+            return False
+        await self.call(author, "message.withdraw", message_id=message.id)
+        message.content, message.withdrawn, message.reactions = "", True, set()
+        self.touched.add(message.scope)
+        self._expect_event(message, message.id, self.expected_withdrawals, self.optional_withdrawals)
+        return True
+
+    def _own_message(self, author: str, index: int) -> Msg | None:
+        """One of the author's visible messages (not an owner_quote) in a scope it is in."""
+        model = self.model
+        mine = [m for m in model.messages if m.author == author and not m.sources and not m.withdrawn
+                and model.public_reads(author, m)]
+        return mine[index % len(mine)] if mine else None
 
     async def _expiry_ms(self, choice: str | None) -> int | None:
         if choice is None:
@@ -501,11 +550,20 @@ class World:
             return False
         expires_ms = await self._expiry_ms(expiry)
         fields = {"expires_at_ms": expires_ms} if expires_ms is not None else {}
-        info = await self.call(owner, "private_grant.create", scope_id=model.scopes[scope].id,
-                               grantee_member_id=self.member_ids[grantee], **fields)
+        try:
+            info = await self.call(owner, "private_grant.create", scope_id=model.scopes[scope].id,
+                                   grantee_member_id=self.member_ids[grantee], **fields)
+        except ClientError as exc:
+            return await self._expired_meanwhile(exc, expires_ms)
         assert info["effective_from_global_seq"] == model.global_seq + 1, info
         model.windows.append(Window(info["id"], "grant", owner, grantee, scope, model.global_seq + 1, expires_ms))
         return True
+
+    async def _expired_meanwhile(self, exc: ClientError, expires_ms: int | None) -> bool:
+        """A "soon" expiry that a stalled machine let pass before the server saw it."""
+        assert (exc.code, exc.details.get("reason")) == ("invalid", "expiry_in_past"), exc
+        assert expires_ms is not None and expires_ms <= await self.server_now_ms(), exc
+        return False
 
     async def revoke(self, index: int) -> bool:
         model = self.model
@@ -542,8 +600,10 @@ class World:
             info = await self.call(owner, "collaborator.add", scope_id=model.scopes[scope].id,
                                    member_id=self.member_ids[member], **fields)
         except ClientError as exc:
+            if exc.code != "conflict":
+                return await self._expired_meanwhile(exc, expires_ms)
             # An expired row the sweep has not ended yet may still hold the active key.
-            assert rows and exc.code == "conflict", exc
+            assert rows, exc
             return False
         assert info["effective_from_global_seq"] == model.global_seq + 1, info
         for row in rows:  # the expired row has ended
@@ -569,6 +629,28 @@ class World:
             if not window.expired_by(info["ended_at_ms"]):
                 assert info["effective_to_global_seq"] == model.global_seq, info
         window.to_gseq = model.global_seq
+        return True
+
+    async def collaborator_update(self, index: int, expiry: str | None) -> bool:
+        """The owner moves a live collaborator's expiry (never retroactive: the old
+        one has not passed, so no message lies between the two)."""
+        now_ms = await self.server_now_ms()
+        live = [w for w in self.model.windows if w.kind == "collaborator" and not w.ended
+                and (w.expires_ms is None or w.expires_ms > now_ms + EXPIRY_AMBIGUITY_MS)]
+        if not live:
+            return False
+        window = live[index % len(live)]
+        expires_ms = await self._expiry_ms(expiry)
+        fields = {"expires_at_ms": expires_ms} if expires_ms is not None else {"no_expiry": True}
+        try:
+            info = await self.call(window.owner, "collaborator.update_expiry", collaborator_id=window.id, **fields)
+        except ClientError as exc:
+            if exc.code == "conflict":  # the old expiry passed meanwhile: nothing to move
+                assert window.expired_by(await self.server_now_ms()), exc
+                return False
+            return await self._expired_meanwhile(exc, expires_ms)
+        assert info.get("expires_at_ms") == expires_ms and info["active"], info
+        window.expires_ms = expires_ms
         return True
 
     async def agent_leave(self, agent: str, scope: str, by_owner: bool) -> bool:
@@ -646,10 +728,16 @@ class World:
             f"{agent} never received its own message on its live connection"
         self._compare(f"live message.created of {agent}", self.expected_created[agent], collector.created)
         # Reaction events carry no seq to order them by: wait (bounded) for missing ones.
-        wanted = self.expected_reactions[agent]
-        await collector.wait_for(lambda: wanted <= collector.reactions, 2)
-        self._compare(f"live reaction.added of {agent}", wanted,
-                      collector.reactions - (self.optional_reactions[agent] - wanted))
+        # Reaction, edit and withdrawal events carry no seq to order them by (edits and
+        # withdrawals even come from the outbox worker): wait, bounded, for missing ones.
+        for event, wanted, optional, received in (
+                ("reaction.added", self.expected_reactions[agent], self.optional_reactions[agent],
+                 collector.reactions),
+                ("message.edited", self.expected_edits[agent], self.optional_edits[agent], collector.edited),
+                ("message.withdrawn", self.expected_withdrawals[agent], self.optional_withdrawals[agent],
+                 collector.withdrawn)):
+            await collector.wait_for(lambda: wanted <= received, WAIT_SECONDS)
+            self._compare(f"live {event} of {agent}", wanted, received - (optional - wanted))
 
     def _compare(self, surface: str, expected: set, received: list | set) -> None:
         assert len(set(received)) == len(received), f"{surface}: a message arrived twice"
@@ -711,9 +799,7 @@ class World:
             shown = page.get("root")
             assert (shown is not None) == readable, (
                 f"thread root of {scope} for {agent}: the model says {'readable' if readable else 'hidden'}")
-            if shown is not None:
-                assert shown["id"] == root.id
-                self._check_reactions(agent, root, shown)
+            assert shown is None or shown["id"] == root.id
 
     def _check_reactions(self, agent: str, message: Msg, info: dict) -> None:
         counts: dict[str, list] = {}
@@ -829,19 +915,20 @@ async def build_world(base: Base, number: int, nursery: trio.Nursery, stack: Asy
             DM_OF[agent], (await world.call(owner, "dm.open", member_id=world.member_ids[agent]))["id"])
         dm.open(owner)
         dm.open(agent)
-    # Two sibling threads: T (root by O2, opened by O1's reply, which admits A1), T2 (root by
-    # H, opened by O2's reply, which admits A2).
-    for name, root_author, opener, admitted in (("T", "O2", "O1", "A1"), ("T2", "H", "O2", "A2")):
-        info = await world.call(root_author, "message.send", scope_id=channel["id"], content=f"root of {name}")
+    # Two sibling threads, opened by a first reply: T's root, by O1, addresses A1; T2's root
+    # is A2's own.  Each private agent is a first member of its thread (scope-model §5.2).
+    for name, root_author, mention, opener in (("T", "O1", "A1", "O2"), ("T2", "A2", None, "H")):
+        content = f"root of {name}" + (f" @{world.handles[mention]}" if mention else "")
+        info = await world.call(root_author, "message.send", scope_id=channel["id"], content=content)
+        assert info.get("metadata", {}).get("mentions", []) == ([world.member_ids[mention]] if mention else [])
         root = world.record(info, "C", root_author)
         world.expect_live(root)
         reply = await world.call(opener, "thread.reply", scope_id=channel["id"], root_message_id=root.id,
-                                 content=f"first in {name} @{world.handles[admitted]}")
-        assert reply["metadata"]["mentions"] == [world.member_ids[admitted]], reply
+                                 content=f"first in {name}")
         thread = model.scopes[name] = Scope(name, reply["scope_id"], parent="C", root=root)
-        thread.open(opener)
-        thread.open(root_author)
-        thread.open(admitted)  # with the admitting message
+        for member in (opener, root_author, mention):
+            if member is not None:
+                thread.open(member)
         world.expect_live(world.record(reply, name, opener))
     return world
 
@@ -877,9 +964,10 @@ class ServerThread:
 
     def __enter__(self) -> ServerThread:
         self._thread.start()
-        self._ready.wait(120)
+        started = self._ready.wait(120)
         if self._failure is not None:
             raise self._failure
+        assert started, "the server did not start"
         return self
 
     def __exit__(self, *exc) -> None:
@@ -956,7 +1044,7 @@ def _collaborator_add():
                  st.sampled_from(SCOPES), st.sampled_from(EXPIRIES))
 
 
-AUTHORITY_STEPS = ("grant", "revoke", "collaborator_add", "collaborator_end", "let_expire")
+AUTHORITY_STEPS = ("grant", "revoke", "collaborator_add", "collaborator_end", "collaborator_update", "let_expire")
 # Equal strategies would be merged by one_of: each weight is its own instance.
 AUTHORITY = st.one_of(_grant(("C",)), _grant(), _collaborator_add())
 STEP = st.one_of(
@@ -970,6 +1058,9 @@ STEP = st.one_of(
     _step("revoke", st.integers(0, 15)),
     *[_collaborator_add() for _ in range(2)],
     _step("collaborator_end", st.integers(0, 15), st.booleans()),
+    _step("collaborator_update", st.integers(0, 15), st.sampled_from(EXPIRIES)),
+    _step("edit", st.sampled_from(HUMANS), st.integers(0, 63)),
+    _step("withdraw", st.sampled_from(HUMANS), st.integers(0, 63)),
     _step("react", st.sampled_from(HUMANS), st.integers(0, 63), st.sampled_from(REACTION_KEYS)),
     _step("agent_leave", st.sampled_from(PRIVATE_AGENTS), st.sampled_from(SCOPES), st.booleans()),
     _step("agent_rejoin", st.sampled_from(PRIVATE_AGENTS)),
@@ -981,22 +1072,28 @@ STEP = st.one_of(
 # Programs that always run, so each rule is exercised whatever the random ones draw.
 SCENARIOS = (
     # Grants and People collaborators over time: a channel grant covers its threads and
-    # lapses at its expiry, a thread window covers neither its parent nor a sibling, a
-    # revoke or a leave stops what comes after, explicit recipients are authorized like
-    # mentions.
+    # lapses at its expiry (unless moved), a thread window covers neither its parent nor a
+    # sibling, a revoke or a leave stops what comes after, explicit recipients are
+    # authorized like mentions.
     [("grant", "O1", "H", "C", "soon"), ("send", "H", "C", "A1", False), ("send", "H", "T", None, False),
      ("grant", "O2", "S", "T", None), ("send", "S", "T2", "A2", True), ("send", "S", "T", "A2", False),
      ("let_expire",), ("send", "H", "C", "A1", False), ("send", "H", "T", "A1", True), ("revoke", 1),
      ("send", "S", "T", None, False), ("collaborator_add", "O1", "S", "T", None), ("send", "S", "T", "A1", True),
-     ("send", "S", "T2", None, False), ("send", "S", "C", "A1", False), ("collaborator_add", "O1", "H", "C", "later"),
-     ("send", "H", "T2", "A1", False), ("collaborator_end", 0, True), ("send", "S", "T", "A1", False),
-     ("collaborator_end", 0, False), ("send", "H", "C", None, False)],
-    # Memberships, same-owner and public agents, owner_quote, reactions.
+     ("send", "S", "T2", None, False), ("send", "S", "C", "A1", False),
+     ("collaborator_add", "O1", "H", "C", "soon"), ("collaborator_update", 1, None), ("let_expire",),
+     ("send", "H", "T2", "A1", False),
+     ("collaborator_end", 0, True), ("send", "S", "T", "A1", False), ("collaborator_end", 0, False),
+     ("send", "H", "C", None, False)],
+    # Memberships (removed from the channel, an agent is neither read to nor addressed in its
+    # threads; a reaction on a message of an earlier interval still reaches it), same-owner
+    # and public agents, owner_quote, reactions, edits and withdrawal.
     [("send", "A1b", "C", "A1", False), ("send", "P1", "C", "A1", False), ("grant", "O1", "P1", "C", None),
      ("send", "P1", "C", "A1", False), ("agent_leave", "A1", "C", True), ("send", "O1", "C", "A1", False),
-     ("agent_rejoin", "A1"), ("send", "O2", "T", "A1", False), ("react", "H", 0, "👍"),
-     ("react", "O1", 1, ":ok:"), ("agent_leave", "A1", "T", False), ("send", "O1", "T", None, False),
-     ("quote", "O1", 1, "DM"), ("quote", "O2", 2, "T2"), ("send", "A2", "T2", None, False),
+     ("send", "O1", "T", "A1", True), ("send", "O1", "T", "A1", False), ("agent_rejoin", "A1"),
+     ("send", "O2", "T", "A1", False), ("react", "H", 1, "👍"), ("react", "H", 3, "🎉"),
+     ("react", "O1", 1, ":ok:"), ("edit", "O1", 0), ("edit", "H", 0), ("withdraw", "O1", 0),
+     ("agent_leave", "A1", "T", False), ("send", "O1", "T", None, False),
+     ("quote", "O1", 0, "DM"), ("quote", "O2", 0, "C"), ("send", "A2", "T2", None, False),
      ("resume", "A1", 3, 1), ("send", "O1", "T", "A1", True), ("send", "A1", "T", None, False)],
 )
 
@@ -1009,8 +1106,8 @@ def test_private_agents_read_and_receive_what_the_model_allows(database_dsn, mem
         # failure names the step, the scope, the message and the rule instead.
         @settings(max_examples=8, deadline=None, derandomize=True, phases=(Phase.explicit, Phase.generate),
                   suppress_health_check=list(HealthCheck))
-        @given(program=st.tuples(st.lists(AUTHORITY, min_size=1, max_size=3), st.lists(STEP, min_size=6, max_size=20))
-               .map(lambda parts: parts[0] + parts[1]))
+        @given(program=st.tuples(st.lists(AUTHORITY, min_size=1, max_size=3),
+                                 st.lists(STEP, min_size=6, max_size=20)).map(lambda parts: parts[0] + parts[1]))
         def programs(program):
             server.run(run_program, server.base, next(numbers), program)
 

@@ -126,6 +126,11 @@ async def explain(server: Server, connection: Connection, request: p.VisibilityE
             raise ProtocolError(ErrorCode.NOT_FOUND, "member not found")
     row = await server.db.run(visibility.explain_message, workspace.workspace_id, member_id, message_id)
     if row is None or row["reason"] is None:
+        # "Not readable" only about a message the caller reads; otherwise its
+        # existence stays unknown (SPEC rule 8).
+        if row is None or await server.db.run(messages.message_scope, workspace.workspace_id, workspace.member_id,
+                                              message_id) is None:
+            raise ProtocolError(ErrorCode.NOT_FOUND, "message not found")
         return p.VisibilityExplainResult(readable=False)
     membership = window = None
     if row["effective_from_seq"] is not None:
