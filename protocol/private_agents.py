@@ -57,7 +57,9 @@ class PrivateAgentContextState(WorkspaceRequest, tag="private_agent.context_stat
 class VisibilityExplain(WorkspaceRequest, tag="visibility.explain"):
     """Diagnostics: may `member_id` read `message_id`, and which membership,
     grant / collaborator window or shared source makes it readable.  Only the
-    member itself or its owner may ask (anyone else: `not_found`)."""
+    member itself or its owner may ask (anyone else: `not_found`); the answer is
+    `readable: false` only about a message the caller reads itself — any other
+    message is `not_found`, so nothing reveals that it exists."""
 
     message_id: Id
     member_id: Id
