@@ -823,19 +823,25 @@ async def explain_statements(pg: asyncpg.Connection, call: Callable[[Any], Await
                  "shared_read_blocks": top["Plan"].get("Shared Read Blocks"),
                  "rows_scanned": _rows_scanned(top["Plan"]),
                  "plan_text": await _plan_text(pg, query, params)}
-        # asyncpg prepares every statement and PostgreSQL may switch a prepared statement to
-        # its generic plan after five executions: the server runs that one in steady state.
+        # asyncpg prepares every statement, and PostgreSQL switches a prepared statement to its
+        # generic plan after five executions when it looks no dearer: what the server runs in
+        # steady state.  (EXPLAIN with bound parameters always plans them as constants, so the
+        # generic plan is explained through PREPARE / EXECUTE with literal arguments.)
+        await pg.execute(f"PREPARE bench_explain AS {query}")
         await pg.execute("SET plan_cache_mode = force_generic_plan")
         try:
-            plan = await pg.fetchval(f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {query}", *params)
+            execute = f"EXECUTE bench_explain({', '.join(_sql_literal(p) for p in params)})" if params else \
+                "EXECUTE bench_explain"
+            plan = await pg.fetchval(f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {execute}")
             generic = (json.loads(plan) if isinstance(plan, str) else plan)[0]
             entry["generic_plan"] = {
                 "execution_ms": generic.get("Execution Time"), "rows_scanned": _rows_scanned(generic["Plan"]),
                 "shared_blocks": (generic["Plan"].get("Shared Hit Blocks") or 0)
                 + (generic["Plan"].get("Shared Read Blocks") or 0),
-                "plan_text": await _plan_text(pg, query, params)}
+                "plan_text": await _plan_text(pg, execute, ())}
         finally:
             await pg.execute("RESET plan_cache_mode")
+            await pg.execute("DEALLOCATE bench_explain")
         plans.append(entry)
     return {"statements": len(plans), "plans": plans}
 
@@ -864,6 +870,24 @@ async def explain_resolver(fx: Fixture, pg: asyncpg.Connection) -> dict[str, Any
                 pg, lambda conn, viewer=viewer, prefix=prefix: resolver_sql(
                     conn, fx.workspace_id, fx.viewer_ids[viewer], [fx.resolver_scope], prefix))
     return out
+
+
+def _sql_literal(value: Any) -> str:
+    """A parameter as an SQL literal for EXECUTE (lists as array literals of unknown type,
+    which PostgreSQL coerces to the prepared parameter's type)."""
+    if value is None:
+        return "NULL"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, datetime.datetime):
+        return f"'{value.isoformat()}'"
+    if isinstance(value, (list, tuple)):
+        items = ",".join("NULL" if v is None else '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+                         for v in value)
+        value = "{" + items + "}"
+    return "'" + str(value).replace("'", "''") + "'"
 
 
 def _rows_scanned(node: dict) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -18,6 +19,8 @@ from domain.plan import CommittedMessage, MentionCandidate, ScopeContext
 from storage import visibility
 from storage.visibility import ENTITLED_MEMBERSHIPS, message_visibility_sql, readable_join, scope_readable_sql
 from storage.errors import NotFound
+
+log = logging.getLogger("scopewire.storage")
 
 
 # --- actor state ---------------------------------------------------------------------------
@@ -177,9 +180,9 @@ async def history(conn: asyncpg.Connection, workspace_id: str, viewer: str, scop
                   before_seq: int | None, after_seq: int | None, limit: int) -> tuple[list[asyncpg.Record], bool]:
     """A page of the scope's messages the viewer may read, in seq order, and
     whether more exist in the paging direction."""
-    authors = await visibility.private_reader_authors(conn, scope_id, viewer)
-    if authors is not None:
-        return await _private_history(conn, workspace_id, viewer, scope_id, authors, before_seq=before_seq,
+    reader = await visibility.private_reader_windows(conn, scope_id, viewer)
+    if reader is not None:
+        return await _private_history(conn, workspace_id, viewer, scope_id, reader, before_seq=before_seq,
                                       after_seq=after_seq, limit=limit)
     if after_seq is not None:
         rows = await conn.fetch(
@@ -199,39 +202,60 @@ async def history(conn: asyncpg.Connection, workspace_id: str, viewer: str, scop
 
 
 async def _private_history(conn: asyncpg.Connection, workspace_id: str, viewer: str, scope_id: str,
-                           authors: list[tuple[str, int, int | None]], *, before_seq: int | None,
-                           after_seq: int | None, limit: int) -> tuple[list[asyncpg.Record], bool]:
-    """history() for a private agent: per readable author, the newest (or oldest)
-    rows inside that author's window range, merged.  Within a scope, seq order
-    is workspace_global_seq order, so the seq bound becomes a global-seq bound
-    on the author index."""
+                           reader: visibility.ReaderWindows, *, before_seq: int | None, after_seq: int | None,
+                           limit: int) -> tuple[list[asyncpg.Record], bool]:
+    """history() for a private agent.  Each window of `reader` (an author and the
+    range it may be read in) is one bounded scan of scope_messages_scope_author_idx,
+    newest (or oldest) first; the scans are merged by seq.  Within a scope seq
+    order is global-seq order, so the page bound becomes a global-seq bound on
+    that index.  The readable predicate itself then checks the merged page:
+    a row it refuses is left out (fail closed) and logged, never shown."""
     forward = after_seq is not None
+    # Read off the (scope_id, seq) key: the global seq of the nearest message.
     bound = await conn.fetchval(
-        "SELECT max(workspace_global_seq) FROM scope_messages WHERE scope_id = $1 AND seq <= $2" if forward else
-        "SELECT min(workspace_global_seq) FROM scope_messages WHERE scope_id = $1 AND seq >= $2",
+        "SELECT workspace_global_seq FROM scope_messages WHERE scope_id = $1 AND seq <= $2 ORDER BY seq DESC LIMIT 1"
+        if forward else
+        "SELECT workspace_global_seq FROM scope_messages WHERE scope_id = $1 AND seq >= $2 ORDER BY seq LIMIT 1",
         scope_id, after_seq if forward else (before_seq if before_seq is not None else 2**62),
     )
     if forward:
-        window, order = "m.workspace_global_seq > coalesce($7::bigint, 0)", "ASC"
+        page_bound, order = "m.workspace_global_seq > coalesce($7::bigint, 0)", "ASC"
     else:
-        window, order = "($7::bigint IS NULL OR m.workspace_global_seq < $7::bigint)", "DESC"
+        page_bound, order = "($7::bigint IS NULL OR m.workspace_global_seq < $7::bigint)", "DESC"
     # Plus what its owner shared from here (source_ref): explicit, so few.
     quoted = await visibility.quoted_sources_in_scope(conn, scope_id, viewer)
+    windows = list(zip(*reader.windows)) or [(), (), (), (), (), ()]
+    in_interval = ("EXISTS (SELECT 1 FROM unnest($10::bigint[], $11::bigint[]) AS iv(lo, hi) "
+                   "WHERE m.seq >= iv.lo AND (iv.hi IS NULL OR m.seq <= iv.hi))")
     rows = await conn.fetch(
-        f"SELECT DISTINCT ON (page.seq) page.* FROM ("
-        f"SELECT by_author.* FROM unnest($4::text[], $5::bigint[], $6::bigint[]) AS a(author, lo, hi) "
-        f"CROSS JOIN LATERAL (SELECT {_MESSAGE_COLUMNS}, vis.visibility_reason, vis.grant_id FROM scope_messages m "
-        f"{readable_join('m', '$2')} WHERE m.scope_id = $3 AND m.workspace_id = $1 AND m.author_member_id = a.author "
-        f"AND m.workspace_global_seq >= a.lo AND (a.hi IS NULL OR m.workspace_global_seq <= a.hi) AND {window} "
-        f"ORDER BY m.workspace_global_seq {order} LIMIT $8) by_author "
-        f"UNION ALL (SELECT {_MESSAGE_COLUMNS}, vis.visibility_reason, vis.grant_id FROM scope_messages m "
-        f"{readable_join('m', '$2')} WHERE m.scope_id = $3 AND m.workspace_id = $1 AND m.id = ANY($9::text[]) "
-        f"AND {window} ORDER BY m.workspace_global_seq {order} LIMIT $8)"
-        f") page ORDER BY page.seq {order} LIMIT $8",
-        workspace_id, viewer, scope_id, [a[0] for a in authors], [a[1] for a in authors], [a[2] for a in authors],
-        bound, limit + 1, quoted,
+        f"SELECT page.*, vis.visibility_reason, vis.grant_id FROM ("
+        f"SELECT DISTINCT ON (candidate.seq) candidate.* FROM ("
+        f"SELECT by_window.* FROM unnest($4::text[], $5::bigint[], $6::bigint[], $12::timestamptz[], "
+        f"$13::bigint[], $14::bigint[]) AS w(author, lo_g, hi_g, expires_at, lo_s, hi_s) "
+        f"CROSS JOIN LATERAL (SELECT {_MESSAGE_COLUMNS}, m.workspace_id FROM scope_messages m "
+        f"WHERE m.scope_id = $3 AND m.workspace_id = $1 AND m.author_member_id = w.author "
+        f"AND m.workspace_global_seq >= greatest(coalesce(w.lo_g, 0), $9::bigint) "
+        f"AND (w.hi_g IS NULL OR m.workspace_global_seq <= w.hi_g) "
+        f"AND (w.expires_at IS NULL OR m.created_at < w.expires_at) "
+        f"AND (w.lo_s IS NULL OR m.seq >= w.lo_s) AND (w.hi_s IS NULL OR m.seq <= w.hi_s) "
+        f"AND {in_interval} AND {page_bound} "
+        f"ORDER BY m.workspace_global_seq {order} LIMIT $8) by_window "
+        f"UNION ALL (SELECT {_MESSAGE_COLUMNS}, m.workspace_id FROM scope_messages m "
+        f"WHERE m.scope_id = $3 AND m.workspace_id = $1 "
+        f"AND m.id = ANY($15::text[]) AND {page_bound} ORDER BY m.workspace_global_seq {order} LIMIT $8)"
+        f") candidate ORDER BY candidate.seq {order} LIMIT $8"
+        f") page LEFT JOIN LATERAL (SELECT split_part(v.value, ':', 1) AS visibility_reason, "
+        f"nullif(split_part(v.value, ':', 2), '') AS grant_id FROM (SELECT "
+        f"{message_visibility_sql('page', '$2')} AS value) v) vis ON true ORDER BY page.seq {order}",
+        workspace_id, viewer, scope_id, list(windows[0]), list(windows[1]), list(windows[2]), bound, limit + 1,
+        reader.floor, [lo for lo, _ in reader.intervals], [hi for _, hi in reader.intervals], list(windows[3]),
+        list(windows[4]), list(windows[5]), quoted,
     )
-    page = list(rows[:limit])
+    refused = [r["id"] for r in rows if r["visibility_reason"] is None]
+    if refused:
+        log.error("private history: the readable predicate refused rows the windows selected",
+                  extra={"scope_id": scope_id, "viewer": viewer, "message_ids": refused})
+    page = [r for r in rows[:limit] if r["visibility_reason"] is not None]
     return (page if forward else list(reversed(page))), len(rows) > limit
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 
 import asyncpg
 
@@ -25,6 +25,7 @@ from storage import tenancy
 from storage.errors import Conflict, NotFound
 from storage.ids import new_id
 from storage.visibility.collaborators import COLLABORATOR_COLUMNS, COLLABORATOR_FROM, GRANT_COLUMNS
+from storage.visibility.predicate import EXPIRY_SWEEP_MARGIN_SECONDS
 
 # What a collaborator's row says about how it ended (CollaboratorInfo.end_reason).
 END_REMOVED, END_LEFT, END_EXPIRED = "removed", "left", "expired"
@@ -234,10 +235,13 @@ async def update_collaborator_expiry(conn: asyncpg.Connection, workspace_id: str
 # --- expiry and notifications ---------------------------------------------------------------------------
 
 async def expire_due(conn: asyncpg.Connection, now: datetime) -> list[CollaboratorChange]:
-    """Close every grant and collaborator whose expiry is at or before `now`,
-    recording the workspace's current global seq as the window's upper bound
-    (the exact test stays created_at < expires_at).  Returns the collaborators
-    it expired (each got an `expire` audit event)."""
+    """Close every grant and collaborator that expired at least
+    EXPIRY_SWEEP_MARGIN_SECONDS before `now`, recording the workspace's current
+    global seq as the window's upper bound (after the margin no transaction that
+    began before the expiry is still numbering, so the bound is exact; reads
+    test created_at < expires_at anyway).  Returns the collaborators it expired
+    (each got an `expire` audit event)."""
+    now = now - timedelta(seconds=EXPIRY_SWEEP_MARGIN_SECONDS)
     workspaces = [r["workspace_id"] for r in await conn.fetch(
         "SELECT workspace_id FROM scope_private_grants WHERE revoked_at IS NULL AND effective_to_global_seq IS NULL "
         "AND expires_at <= $1 UNION SELECT workspace_id FROM task_scope_participant_metadata "

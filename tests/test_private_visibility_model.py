@@ -847,18 +847,29 @@ class World:
                 f"inbox unread of {name} for {agent}: {row['unread_count']}, the model: {model.unread(agent, name)}")
 
     async def check_explain(self, agent: str) -> None:
+        """`visibility.explain` asked by the owner (and by the agent about what it
+        reads): the reason and window that make a message readable; "not
+        readable" only to a caller who reads the message itself, else `not_found`."""
+        owner = OWNER_OF[agent]
         for message in self.model.messages:
             if message.content.startswith("sentinel"):
                 continue
             verdict = self.model.readable(agent, message)
-            result = await self.call(agent, "visibility.explain", message_id=message.id,
-                                     member_id=self.member_ids[agent])
-            where = f"explain {message.scope}#{message.seq} by {message.author} for {agent}"
-            assert result["readable"] == (verdict is not None), (where, result)
-            if verdict is not None:
-                reason, windows = verdict
-                assert result.get("reason") == reason, (where, result, reason)
-                assert result.get("grant_id") in (windows or {None}), (where, result, windows)
+            owner_reads = self.model.public_reads(owner, message)
+            # The agent itself asks only about what it reads (else not_found, like message.get).
+            for caller, caller_reads in ((owner, owner_reads), *([(agent, True)] if verdict else [])):
+                where = f"explain {message.scope}#{message.seq} by {message.author} for {agent}, asked by {caller}"
+                try:
+                    result = await self.call(caller, "visibility.explain", message_id=message.id,
+                                             member_id=self.member_ids[agent])
+                except ClientError as exc:
+                    assert exc.code == "not_found" and verdict is None and not caller_reads, (where, exc)
+                    continue
+                assert result["readable"] == (verdict is not None), (where, result)
+                if verdict is not None:
+                    reason, windows = verdict
+                    assert result.get("reason") == reason, (where, result, reason)
+                    assert result.get("grant_id") in (windows or {None}), (where, result, windows)
 
     async def check_step(self, *, final: bool = False) -> None:
         permalinks = self.model.messages if final else self.unchecked

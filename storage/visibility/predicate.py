@@ -25,12 +25,20 @@ row and nothing of the private branches.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from datetime import datetime
+
 import asyncpg
 
 # A member whose membership is closed or who left the workspace reads nothing.
 _ACTIVE = "EXISTS (SELECT 1 FROM members xm WHERE xm.workspace_id = {ms}.workspace_id AND xm.id = {ms}.member_id " \
           "AND xm.status = 'active')"
 
+
+# The expiry sweep closes a window this long after it expired: by then every
+# transaction that began before the expiry has committed, so the end seq it
+# records is exact (a batch transaction lasts well under a second).
+EXPIRY_SWEEP_MARGIN_SECONDS = 300
 
 # A window closed by its expiry (not by a revoke, a removal or a leave): its
 # recorded end seq is only the expiry sweep's pruning bound, and the exact test
@@ -193,55 +201,69 @@ async def explain_message(conn: asyncpg.Connection, workspace_id: str, viewer: s
 
 # --- a private reader's history, without scanning what it cannot read -------------------------------
 
-async def private_reader_authors(conn: asyncpg.Connection, scope_id: str,
-                                 viewer: str) -> list[tuple[str, int, int | None]] | None:
-    """None unless `viewer` holds an open private membership of the scope; else
-    the authors it may read there, each with the global-seq range its windows
-    span [lo, hi] (hi None: open).  History then reads each author's rows
-    through scope_messages_scope_author_idx inside that range instead of
-    scanning the scope: cost follows what the agent reads, not the scope's size
-    (the exact predicate still filters every row)."""
+@dataclass(frozen=True)
+class ReaderWindows:
+    """A private reader's view of one scope, as index ranges: its own membership
+    intervals (seq), and per author the ranges it may read them in — global-seq
+    bounds and an expiry for grants and collaborators, seq bounds for another
+    private agent of the same owner (its own intervals), none for the reader
+    itself and its owner.  `floor` is the global seq of the reader's first
+    message: nothing below it is read."""
+
+    intervals: list[tuple[int, int | None]]
+    windows: list[tuple[str, int | None, int | None, datetime | None, int | None, int | None]]
+    floor: int
+
+
+async def private_reader_windows(conn: asyncpg.Connection, scope_id: str, viewer: str) -> ReaderWindows | None:
+    """None unless `viewer` is an open private member of the scope (an active
+    agent; for a thread, still a private member of its parent).  The readable
+    predicate's rules for this one scope as ranges, so history reads each range
+    off scope_messages_scope_author_idx instead of scanning the scope: its cost
+    follows what the agent reads, not the scope's size.  A window closed by its
+    expiry is bounded by the end seq the expiry sweep recorded, EXPIRY_SWEEP_MARGIN
+    after the expiry: no transaction that began before it is still numbering."""
     rows = await conn.fetch(
-        """
+        f"""
         WITH reader AS (
-            SELECT om.owner_member_id AS owner,
-                   (SELECT min(iv.effective_from_seq) FROM scope_memberships iv
-                     WHERE iv.scope_id = $1 AND iv.member_id = $2) AS first_seq
-              FROM scope_memberships om
+            SELECT om.owner_member_id AS owner FROM scope_memberships om
              WHERE om.scope_id = $1 AND om.member_id = $2 AND om.effective_to_seq IS NULL
-               AND om.visibility = 'private'
+               AND om.visibility = 'private' AND {_ACTIVE.format(ms='om')} AND {_still_in_parent('$2', '$1')}
         ), chain AS (
             SELECT $1::text AS id
             UNION ALL SELECT s.parent_scope_id FROM scopes s WHERE s.id = $1 AND s.parent_scope_id IS NOT NULL
-        ), floor AS (
-            SELECT coalesce((SELECT min(m.workspace_global_seq) FROM scope_messages m
-                              WHERE m.scope_id = $1 AND m.seq >= reader.first_seq), 0) AS lo FROM reader
-        ), authors AS (
-            SELECT $2::text AS author, 0::bigint AS lo, NULL::bigint AS hi FROM reader
-            UNION ALL SELECT reader.owner, 0, NULL FROM reader
-            UNION ALL SELECT am.member_id, 0, NULL FROM scope_memberships am, reader
-             WHERE am.scope_id = $1 AND am.visibility = 'private' AND am.owner_member_id = reader.owner
-            UNION ALL SELECT g.grantee_member_id, g.effective_from_global_seq,
-                             CASE WHEN g.revoked_by_member_id IS NOT NULL THEN g.effective_to_global_seq
-                                  WHEN g.expires_at IS NULL THEN g.effective_to_global_seq END
-              FROM scope_private_grants g, reader
-             WHERE g.scope_id IN (SELECT id FROM chain) AND g.owner_member_id = reader.owner
-            UNION ALL SELECT p.member_id, p.effective_from_global_seq,
-                             CASE WHEN p.left_at IS NOT NULL OR p.removed_at IS NOT NULL OR p.expires_at IS NULL
-                                  THEN p.effective_to_global_seq END
-              FROM scope_executions e JOIN task_scope_participant_metadata p ON p.owner_scope_execution_id = e.id,
-                   reader
-             WHERE e.scope_id IN (SELECT id FROM chain) AND e.owner_member_id = reader.owner
         )
-        SELECT a.author, greatest(min(a.lo), (SELECT lo FROM floor)) AS lo,
-               CASE WHEN bool_or(a.hi IS NULL) THEN NULL ELSE max(a.hi) END AS hi
-          FROM authors a GROUP BY a.author
+        SELECT 'interval' AS kind, $2::text AS author, NULL::bigint AS lo_g, NULL::bigint AS hi_g,
+               NULL::timestamptz AS expires_at, iv.effective_from_seq AS lo_s, iv.effective_to_seq AS hi_s
+          FROM scope_memberships iv, reader WHERE iv.scope_id = $1 AND iv.member_id = $2
+        UNION ALL SELECT 'self', $2, NULL, NULL, NULL, NULL, NULL FROM reader
+        UNION ALL SELECT 'owner', reader.owner, NULL, NULL, NULL, NULL, NULL FROM reader
+        UNION ALL SELECT 'same_owner_agent', am.member_id, NULL, NULL, NULL, am.effective_from_seq, am.effective_to_seq
+          FROM scope_memberships am, reader
+         WHERE am.scope_id = $1 AND am.visibility = 'private' AND am.owner_member_id = reader.owner
+           AND am.member_id <> $2
+        UNION ALL SELECT 'grant', g.grantee_member_id, g.effective_from_global_seq, g.effective_to_global_seq,
+                         g.expires_at, NULL, NULL
+          FROM scope_private_grants g, reader
+         WHERE g.scope_id IN (SELECT id FROM chain) AND g.owner_member_id = reader.owner
+        UNION ALL SELECT 'collaborator', p.member_id, p.effective_from_global_seq, p.effective_to_global_seq,
+                         p.expires_at, NULL, NULL
+          FROM scope_executions e JOIN task_scope_participant_metadata p ON p.owner_scope_execution_id = e.id, reader
+         WHERE e.scope_id IN (SELECT id FROM chain) AND e.owner_member_id = reader.owner
         """,
         scope_id, viewer,
     )
-    if not rows:
+    intervals = [(r["lo_s"], r["hi_s"]) for r in rows if r["kind"] == "interval"]
+    if not intervals:
         return None
-    return [(r["author"], r["lo"], r["hi"]) for r in rows]
+    # Within a scope seq order is global-seq order: the first message of the first
+    # interval, read off the (scope_id, seq) key.
+    floor = await conn.fetchval(
+        "SELECT workspace_global_seq FROM scope_messages WHERE scope_id = $1 AND seq >= $2 ORDER BY seq LIMIT 1",
+        scope_id, min(lo for lo, _ in intervals))
+    windows = [(r["author"], r["lo_g"], r["hi_g"], r["expires_at"], r["lo_s"], r["hi_s"])
+               for r in rows if r["kind"] != "interval"]
+    return ReaderWindows(intervals, windows, floor if floor is not None else 2**62)
 
 
 async def quoted_sources_in_scope(conn: asyncpg.Connection, scope_id: str, viewer: str) -> list[str]:
