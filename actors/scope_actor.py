@@ -642,12 +642,18 @@ class ScopeActor:
         changed, message = await applier.set_reaction(conn, state.workspace_id, state.scope_id, command.message_id,
                                                       actor.member_id, command.key, command.add)
         # Bound by the message: a private agent hears of reactions only on what it reads.
+        author = state.roster.get(message["author_member_id"])
+        if any(r.effective_from_seq > message["seq"] for r in self._private_readers) or (
+                author is not None and author.visibility == "private" and author.effective_from_seq > message["seq"]):
+            # Older than an open interval: only the predicate knows the closed ones (one query, reactions only).
+            audience = await visibility.entitled_for_message(conn, state.scope_id, command.message_id)
+        else:
+            audience = self._message_audience(message["author_member_id"], message["seq"],
+                                              message["workspace_global_seq"], message["created_at"])
         event = CommittedEvent("reaction.added" if command.add else "reaction.removed", state.workspace_id,
                                state.scope_id, None, None,
                                {"message_id": command.message_id, "key": command.key, "member_id": actor.member_id},
-                               audience=self._message_audience(message["author_member_id"], message["seq"],
-                                                               message["workspace_global_seq"],
-                                                               message["created_at"]))
+                               audience=audience)
         return _Outcome({"changed": changed}, [event] if changed else [])
 
     async def _mark_read(self, conn: asyncpg.Connection, state: ScopeContext, command: MarkRead) -> _Outcome:
