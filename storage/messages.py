@@ -227,7 +227,8 @@ async def _private_history(conn: asyncpg.Connection, workspace_id: str, viewer: 
     windows = list(zip(*reader.windows)) or [(), (), (), (), (), ()]
     in_interval = ("EXISTS (SELECT 1 FROM unnest($10::bigint[], $11::bigint[]) AS iv(lo, hi) "
                    "WHERE m.seq >= iv.lo AND (iv.hi IS NULL OR m.seq <= iv.hi))")
-    rows = await conn.fetch(
+    rows = await visibility.fetch_custom_plan(
+        conn,
         f"SELECT page.*, vis.visibility_reason, vis.grant_id FROM ("
         f"SELECT DISTINCT ON (candidate.seq) candidate.* FROM ("
         f"SELECT by_window.* FROM unnest($4::text[], $5::bigint[], $6::bigint[], $12::timestamptz[], "

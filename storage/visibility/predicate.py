@@ -50,6 +50,18 @@ CLOSED_BY_EXPIRY = {
 }
 
 
+async def fetch_custom_plan(conn: asyncpg.Connection, query: str, *args) -> list[asyncpg.Record]:
+    """Run `query` as a statement of its own, planned for these arguments.
+    asyncpg caches a prepared statement per query text, and after five runs
+    PostgreSQL may switch it to one generic plan; for the queries whose best
+    plan depends on the arguments (which authors and windows, how wide a handle
+    range) that plan was measured 10-30x slower (bench/private_agents.py).
+    An uncached statement is always planned for its arguments, for one more
+    round trip."""
+    statement = await conn.prepare(query)
+    return await statement.fetch(*args)
+
+
 def window_sql(row: str, message: str, kind: str) -> str:
     """Was `message` written inside the grant (kind 'grant') or People collaborator
     ('collaborator') window `row`?  By workspace_global_seq, and for an expiring

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncpg
 
-from storage.visibility.predicate import message_readable_sql, window_sql
+from storage.visibility.predicate import fetch_custom_plan, message_readable_sql, window_sql
 
 # Private agents matching a prefix looked at before authorization: a hard cap
 # separate from (and well above) the result size, so other owners' agents the
@@ -39,7 +39,8 @@ async def private_agent_candidates(conn: asyncpg.Connection, workspace_id: str, 
     the scan short.  The byte-order operators (~>=~, ~<~) walk
     members_private_agent_handle_idx as a range, in order, whatever the
     database's collation and with a generic plan too."""
-    rows = await conn.fetch(
+    rows = await fetch_custom_plan(
+        conn,
         "SELECT mem.id, mem.handle, mem.display_name, mem.owner_member_id FROM members mem "
         "WHERE mem.workspace_id = $1 AND mem.kind = 'agent' AND mem.visibility = 'private' "
         "AND mem.handle ~>=~ $4 AND mem.handle ~<~ $5 AND mem.status = 'active' AND mem.id <> $3 "
