@@ -676,6 +676,9 @@ scope_message_sources = Table(
     indexes=(
         Index("scope_message_sources_source_idx", "workspace_id, source_message_id",
               where="source_message_id IS NOT NULL"),
+        # What owners shared out of a scope (a private agent's source_ref reads).
+        Index("scope_message_sources_owner_quote_idx", "source_scope_id", where="source_kind = 'owner_quote'",
+              since=2),
     ),
 )
 
