@@ -211,16 +211,19 @@ async def _private_history(conn: asyncpg.Connection, workspace_id: str, viewer: 
     that index.  The readable predicate itself then checks the merged page:
     a row it refuses is left out (fail closed) and logged, never shown."""
     forward = after_seq is not None
-    # The page bound and the agent's floor are read off the (scope_id, seq) key:
-    # the global seq of the nearest message.
+    # Read off the (scope_id, seq) key: the global seq of the nearest message.
+    bound = await conn.fetchval(
+        "SELECT workspace_global_seq FROM scope_messages WHERE scope_id = $1 AND seq <= $2 ORDER BY seq DESC LIMIT 1"
+        if forward else
+        "SELECT workspace_global_seq FROM scope_messages WHERE scope_id = $1 AND seq >= $2 ORDER BY seq LIMIT 1",
+        scope_id, after_seq if forward else (before_seq if before_seq is not None else 2**62),
+    )
     if forward:
-        bound_sql = "SELECT workspace_global_seq FROM scope_messages WHERE scope_id = $3 AND seq <= $7 " \
-                    "ORDER BY seq DESC LIMIT 1"
-        page_bound, order = "m.workspace_global_seq > coalesce(b.bound, 0)", "ASC"
+        page_bound, order = "m.workspace_global_seq > coalesce($7::bigint, 0)", "ASC"
     else:
-        bound_sql = "SELECT workspace_global_seq FROM scope_messages WHERE scope_id = $3 AND seq >= $7 " \
-                    "ORDER BY seq LIMIT 1"
-        page_bound, order = "(b.bound IS NULL OR m.workspace_global_seq < b.bound)", "DESC"
+        page_bound, order = "($7::bigint IS NULL OR m.workspace_global_seq < $7::bigint)", "DESC"
+    # Plus what its owner shared from here (source_ref): explicit, so few.
+    quoted = await visibility.quoted_sources_in_scope(conn, scope_id, viewer)
     windows = list(zip(*reader.windows)) or [(), (), (), (), (), ()]
     in_interval = ("EXISTS (SELECT 1 FROM unnest($10::bigint[], $11::bigint[]) AS iv(lo, hi) "
                    "WHERE m.seq >= iv.lo AND (iv.hi IS NULL OR m.seq <= iv.hi))")
@@ -228,31 +231,26 @@ async def _private_history(conn: asyncpg.Connection, workspace_id: str, viewer: 
         conn,
         f"SELECT page.*, vis.visibility_reason, vis.grant_id FROM ("
         f"SELECT DISTINCT ON (candidate.seq) candidate.* FROM ("
-        f"SELECT by_window.* FROM (SELECT ({bound_sql}) AS bound, coalesce((SELECT workspace_global_seq "
-        f"FROM scope_messages WHERE scope_id = $3 AND seq >= $9 ORDER BY seq LIMIT 1), {2**62}) AS floor) b "
-        f"CROSS JOIN unnest($4::text[], $5::bigint[], $6::bigint[], $12::timestamptz[], "
+        f"SELECT by_window.* FROM unnest($4::text[], $5::bigint[], $6::bigint[], $12::timestamptz[], "
         f"$13::bigint[], $14::bigint[]) AS w(author, lo_g, hi_g, expires_at, lo_s, hi_s) "
         f"CROSS JOIN LATERAL (SELECT {_MESSAGE_COLUMNS}, m.workspace_id FROM scope_messages m "
         f"WHERE m.scope_id = $3 AND m.workspace_id = $1 AND m.author_member_id = w.author "
-        f"AND m.workspace_global_seq >= greatest(coalesce(w.lo_g, 0), b.floor) "
+        f"AND m.workspace_global_seq >= greatest(coalesce(w.lo_g, 0), $9::bigint) "
         f"AND (w.hi_g IS NULL OR m.workspace_global_seq <= w.hi_g) "
         f"AND (w.expires_at IS NULL OR m.created_at < w.expires_at) "
         f"AND (w.lo_s IS NULL OR m.seq >= w.lo_s) AND (w.hi_s IS NULL OR m.seq <= w.hi_s) "
         f"AND {in_interval} AND {page_bound} "
         f"ORDER BY m.workspace_global_seq {order} LIMIT $8) by_window "
-        # Plus what its owner shared from here (source_ref): explicit, so few.
-        f"UNION ALL (SELECT {_MESSAGE_COLUMNS}, m.workspace_id FROM (SELECT ({bound_sql}) AS bound) b, "
-        f"scope_messages m WHERE m.scope_id = $3 AND m.workspace_id = $1 "
-        f"AND m.id IN ({visibility.quoted_sources_sql('$3', '$2')}) AND {page_bound} "
-        f"ORDER BY m.workspace_global_seq {order} LIMIT $8)"
+        f"UNION ALL (SELECT {_MESSAGE_COLUMNS}, m.workspace_id FROM scope_messages m "
+        f"WHERE m.scope_id = $3 AND m.workspace_id = $1 "
+        f"AND m.id = ANY($15::text[]) AND {page_bound} ORDER BY m.workspace_global_seq {order} LIMIT $8)"
         f") candidate ORDER BY candidate.seq {order} LIMIT $8"
         f") page LEFT JOIN LATERAL (SELECT split_part(v.value, ':', 1) AS visibility_reason, "
         f"nullif(split_part(v.value, ':', 2), '') AS grant_id FROM (SELECT "
         f"{message_visibility_sql('page', '$2')} AS value) v) vis ON true ORDER BY page.seq {order}",
-        workspace_id, viewer, scope_id, list(windows[0]), list(windows[1]), list(windows[2]),
-        after_seq if forward else (before_seq if before_seq is not None else 2**62), limit + 1,
-        min(lo for lo, _ in reader.intervals), [lo for lo, _ in reader.intervals],
-        [hi for _, hi in reader.intervals], list(windows[3]), list(windows[4]), list(windows[5]),
+        workspace_id, viewer, scope_id, list(windows[0]), list(windows[1]), list(windows[2]), bound, limit + 1,
+        reader.floor, [lo for lo, _ in reader.intervals], [hi for _, hi in reader.intervals], list(windows[3]),
+        list(windows[4]), list(windows[5]), quoted,
     )
     refused = [r["id"] for r in rows if r["visibility_reason"] is None]
     if refused:

@@ -219,10 +219,12 @@ class ReaderWindows:
     intervals (seq), and per author the ranges it may read them in — global-seq
     bounds and an expiry for grants and collaborators, seq bounds for another
     private agent of the same owner (its own intervals), none for the reader
-    itself and its owner."""
+    itself and its owner.  `floor` is the global seq of the reader's first
+    message: nothing below it is read."""
 
     intervals: list[tuple[int, int | None]]
     windows: list[tuple[str, int | None, int | None, datetime | None, int | None, int | None]]
+    floor: int
 
 
 async def private_reader_windows(conn: asyncpg.Connection, scope_id: str, viewer: str) -> ReaderWindows | None:
@@ -266,17 +268,26 @@ async def private_reader_windows(conn: asyncpg.Connection, scope_id: str, viewer
     intervals = [(r["lo_s"], r["hi_s"]) for r in rows if r["kind"] == "interval"]
     if not intervals:
         return None
+    # Within a scope seq order is global-seq order: the first message of the first
+    # interval, read off the (scope_id, seq) key.
+    floor = await conn.fetchval(
+        "SELECT workspace_global_seq FROM scope_messages WHERE scope_id = $1 AND seq >= $2 ORDER BY seq LIMIT 1",
+        scope_id, min(lo for lo, _ in intervals))
     windows = [(r["author"], r["lo_g"], r["hi_g"], r["expires_at"], r["lo_s"], r["hi_s"])
                for r in rows if r["kind"] != "interval"]
-    return ReaderWindows(intervals, windows)
+    return ReaderWindows(intervals, windows, floor if floor is not None else 2**62)
 
 
-def quoted_sources_sql(scope: str, viewer: str) -> str:
-    """SQL: the ids of the messages of `scope` a private agent `viewer` reads as
-    'source_ref' — those its owner quoted (owner_quote) somewhere the agent
-    reads the quote.  Explicit shares only, so few."""
-    return (f"SELECT src.source_message_id FROM members vm JOIN scope_message_sources src "
-            f"ON src.workspace_id = vm.workspace_id AND src.source_kind = 'owner_quote' AND src.source_scope_id = {scope} "
-            f"JOIN scope_messages q ON q.scope_id = src.target_scope_id AND q.id = src.message_id "
-            f"AND q.author_member_id = vm.owner_member_id "
-            f"WHERE vm.id = {viewer} AND vm.kind = 'agent' AND vm.visibility = 'private' AND {_in_interval('vm.id', 'q')}")
+async def quoted_sources_in_scope(conn: asyncpg.Connection, scope_id: str, viewer: str) -> list[str]:
+    """Messages of the scope a private agent reads as 'source_ref': those its owner
+    quoted (owner_quote) somewhere the agent reads the quote.  Explicit shares only,
+    so the list stays short; history merges them with the per-author pages."""
+    rows = await conn.fetch(
+        f"SELECT DISTINCT src.source_message_id FROM members vm JOIN scope_message_sources src "
+        f"ON src.workspace_id = vm.workspace_id AND src.source_kind = 'owner_quote' AND src.source_scope_id = $1 "
+        f"JOIN scope_messages q ON q.scope_id = src.target_scope_id AND q.id = src.message_id "
+        f"AND q.author_member_id = vm.owner_member_id "
+        f"WHERE vm.id = $2 AND vm.kind = 'agent' AND vm.visibility = 'private' AND {_in_interval('vm.id', 'q')}",
+        scope_id, viewer,
+    )
+    return [r["source_message_id"] for r in rows]
