@@ -25,7 +25,6 @@ import asyncpg
 from domain.plan import RosterEntry
 from storage.visibility.authority import scope_authority
 from storage.visibility.predicate import (
-    author_authority_sql,
     entitled_for_message,
     explain_message,
     fetch_custom_plan,
@@ -39,7 +38,7 @@ from storage.visibility.predicate import (
 )
 
 __all__ = [
-    "ENTITLED_MEMBERSHIPS", "author_authority_sql", "entitled_for_message", "entitled_roster", "explain_message", "fetch_custom_plan",
+    "ENTITLED_MEMBERSHIPS", "entitled_for_message", "entitled_roster", "explain_message", "fetch_custom_plan",
     "message_readable_sql", "message_visibility_sql", "ReaderWindows", "private_reader_windows", "quoted_sources_in_scope", "readable_join", "roster_entries", "scope_authority",
     "scope_members", "scope_readable_sql", "typing_audience", "viewer_membership",
 ]
