@@ -7,23 +7,12 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-import pytest
 
 from server.ops import collaboration as ops
-from tests.conftest import App, add_person
-from tests.test_collaborators import db_now, global_tail
+from tests.conftest import App
+from tests.test_collaborators import db_now, global_tail, team  # noqa: F401  (team is a fixture)
 from tests.test_messaging import open_channel
 from tests.test_tenancy import expect_error, signed_in
-
-
-@pytest.fixture
-async def team(app: App, tenants, member_password_hash):
-    alpha, _ = tenants
-    people = {}
-    for name, role in (("bob", "developer"), ("carol", "operator"), ("adam", "admin"), ("vera", "viewer")):
-        people[name] = await add_person(app.db, alpha.workspace_id, f"{name}@example.com", role,
-                                        member_password_hash)
-    return alpha, people
 
 
 async def test_a_grant_opens_at_the_next_global_seq_and_revocation_keeps_its_window(app: App, team):
