@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-
 from server.ops import collaboration as ops
 from tests.conftest import App
 from tests.test_collaborators import db_now, global_tail, team  # noqa: F401  (team is a fixture)
