@@ -204,9 +204,6 @@ class Outcome:
     authority_changed: bool = False
 
 
-_Outcome = Outcome
-
-
 class ScopeActor:
     def __init__(self, scope_id: str, db: Database, hub: FanoutHub, outbox_wake: Callable[[], None] | None = None,
                  idle_seconds: float = 30.0, mailbox_size: int = 1024,
@@ -376,7 +373,7 @@ class ScopeActor:
             publication.items += [(event, self._roster_set) for event in outcome.events]
         return publication
 
-    async def _apply_create(self, conn: asyncpg.Connection, command: CreateScope) -> _Outcome:
+    async def _apply_create(self, conn: asyncpg.Connection, command: CreateScope) -> Outcome:
         actor = command.actor
         await tenancy.pass_write_fence(conn, actor.workspace_id, actor.execution_generation)
         scope_id = await applier.insert_scope(
@@ -384,7 +381,7 @@ class ScopeActor:
             created_by=actor.member_id, identity_key=command.identity_key,
             parent_scope_id=command.parent_scope_id, root_message_id=command.root_message_id)
         if scope_id != self.scope_id:
-            return _Outcome(scope_id)
+            return Outcome(scope_id)
         if command.channel is not None:
             profile = command.channel
             await applier.insert_channel_profile(
@@ -412,7 +409,7 @@ class ScopeActor:
                 state.roster[member_id] = RosterEntry(member_id, candidate.kind, mutation.visibility,
                                                       mutation.owner_member_id, 0)
         generation = await applier.apply_membership_mutations(conn, actor.workspace_id, scope_id, mutations, 0)
-        return _Outcome(scope_id, [_membership_changed(actor.workspace_id, scope_id, m, generation)
+        return Outcome(scope_id, [_membership_changed(actor.workspace_id, scope_id, m, generation)
                                    for m in mutations])
 
     async def _reload(self) -> None:
@@ -541,7 +538,7 @@ class ScopeActor:
                        plan.intent.client_message_id)
             if key is not None and key in existing:
                 row = existing[key]
-                outcomes[index] = (_Outcome(messages.committed_from_row(row, replayed=True)) if bytes(row["idempotency_payload_digest"]) == plan.digest
+                outcomes[index] = (Outcome(messages.committed_from_row(row, replayed=True)) if bytes(row["idempotency_payload_digest"]) == plan.digest
                                    else Conflict("idempotency_conflict", "same client_message_id, different payload"))
                 continue
             if key is not None and key in claimed:
@@ -565,7 +562,7 @@ class ScopeActor:
                 events = [] if plan.intent.silent else [CommittedEvent(
                     "message.created", message.workspace_id, message.scope_id, message.seq,
                     message.workspace_global_seq, message)]
-                outcomes[index] = _Outcome(message, events)
+                outcomes[index] = Outcome(message, events)
                 for mutation in plan.membership_mutations:
                     if mutation.member_id not in opened_at:
                         opened_at[mutation.member_id] = message.seq
@@ -577,8 +574,8 @@ class ScopeActor:
         for index, key in duplicates:
             first_index, first_plan = claimed[key]
             first = outcomes[first_index]
-            if isinstance(first, _Outcome) and first_plan.digest == _plan_of(plans, index).digest:
-                outcomes[index] = _Outcome(_as_replay(first.value))
+            if isinstance(first, Outcome) and first_plan.digest == _plan_of(plans, index).digest:
+                outcomes[index] = Outcome(_as_replay(first.value))
             else:
                 outcomes[index] = Conflict("idempotency_conflict", "same client_message_id, different payload")
 
@@ -601,7 +598,7 @@ class ScopeActor:
                                                              state.type, trigger)
                     self._executions_in_batch.add(owner)
 
-    async def _apply_other(self, conn: asyncpg.Connection, state: ScopeContext, command: Command) -> _Outcome:
+    async def _apply_other(self, conn: asyncpg.Connection, state: ScopeContext, command: Command) -> Outcome:
         handler = _DISPATCH.get(type(command))
         if handler is None:
             domain = DOMAIN_COMMANDS.get(type(command))
@@ -618,26 +615,26 @@ class ScopeActor:
             raise Refused("forbidden", "not a member of this scope", "not_a_member")
         return await handler(self, conn, state, command)
 
-    async def _refuse_create(self, conn: asyncpg.Connection, state: ScopeContext, command: CreateScope) -> _Outcome:
+    async def _refuse_create(self, conn: asyncpg.Connection, state: ScopeContext, command: CreateScope) -> Outcome:
         raise Conflict("scope_exists", "the scope exists")
 
-    async def _edit(self, conn: asyncpg.Connection, state: ScopeContext, command: Edit) -> _Outcome:
+    async def _edit(self, conn: asyncpg.Connection, state: ScopeContext, command: Edit) -> Outcome:
         actor = command.actor
         row = await applier.edit_message(conn, state.scope_id, command.message_id, actor.member_id,
                                          command.content, command.expected_revision, actor.execution_generation)
         if row["author_member_id"] != actor.member_id:
             raise Refused("forbidden", "only the author edits a message", "not_author")
-        return _Outcome(row)
+        return Outcome(row)
 
-    async def _withdraw(self, conn: asyncpg.Connection, state: ScopeContext, command: Withdraw) -> _Outcome:
+    async def _withdraw(self, conn: asyncpg.Connection, state: ScopeContext, command: Withdraw) -> Outcome:
         actor = command.actor
         row = await applier.withdraw_message(conn, state.scope_id, command.message_id, actor.member_id,
                                              actor.execution_generation)
         if row["author_member_id"] != actor.member_id:
             raise Refused("forbidden", "only the author withdraws a message", "not_author")
-        return _Outcome(row)
+        return Outcome(row)
 
-    async def _react(self, conn: asyncpg.Connection, state: ScopeContext, command: React) -> _Outcome:
+    async def _react(self, conn: asyncpg.Connection, state: ScopeContext, command: React) -> Outcome:
         actor = command.actor
         changed, message = await applier.set_reaction(conn, state.workspace_id, state.scope_id, command.message_id,
                                                       actor.member_id, command.key, command.add)
@@ -654,9 +651,9 @@ class ScopeActor:
                                state.scope_id, None, None,
                                {"message_id": command.message_id, "key": command.key, "member_id": actor.member_id},
                                audience=audience)
-        return _Outcome({"changed": changed}, [event] if changed else [])
+        return Outcome({"changed": changed}, [event] if changed else [])
 
-    async def _mark_read(self, conn: asyncpg.Connection, state: ScopeContext, command: MarkRead) -> _Outcome:
+    async def _mark_read(self, conn: asyncpg.Connection, state: ScopeContext, command: MarkRead) -> Outcome:
         actor = command.actor
         if command.unread:
             value = await applier.mark_unread(conn, state.workspace_id, state.scope_id, actor.member_id, command.seq)
@@ -665,25 +662,25 @@ class ScopeActor:
         event = CommittedEvent("read_state.changed", state.workspace_id, state.scope_id, None, None,
                                {"member_id": actor.member_id, "last_read_seq": value, "manual_unread": command.unread},
                                audience=frozenset({actor.member_id}))
-        return _Outcome({"last_read_seq": value}, [event])
+        return Outcome({"last_read_seq": value}, [event])
 
     async def _set_notification(self, conn: asyncpg.Connection, state: ScopeContext,
-                                command: SetNotification) -> _Outcome:
+                                command: SetNotification) -> Outcome:
         actor = command.actor
         await applier.set_notification_state(conn, state.workspace_id, state.scope_id, actor.member_id,
                                              command.state)
         await applier.apply_membership_mutations(conn, state.workspace_id, state.scope_id, [], state.latest_seq)
-        return _Outcome({"state": command.state}, [CommittedEvent(
+        return Outcome({"state": command.state}, [CommittedEvent(
             "inbox.changed", state.workspace_id, state.scope_id, None, None,
             {"member_id": actor.member_id, "notification_state": command.state},
             audience=frozenset({actor.member_id}))])
 
-    async def _archive(self, conn: asyncpg.Connection, state: ScopeContext, command: Archive) -> _Outcome:
+    async def _archive(self, conn: asyncpg.Connection, state: ScopeContext, command: Archive) -> Outcome:
         await applier.archive_scope(conn, state.scope_id)
-        return _Outcome({"status": "archived"}, [CommittedEvent("scope.archived", state.workspace_id,
+        return Outcome({"status": "archived"}, [CommittedEvent("scope.archived", state.workspace_id,
                                                                 state.scope_id, None, None, {})])
 
-    async def _change_members(self, conn: asyncpg.Connection, state: ScopeContext, command: ChangeMembers) -> _Outcome:
+    async def _change_members(self, conn: asyncpg.Connection, state: ScopeContext, command: ChangeMembers) -> Outcome:
         actor = command.actor
         mutations: list[MembershipMutation] = []
         await self._refresh_parent(conn)
@@ -732,17 +729,17 @@ class ScopeActor:
                                                               state.latest_seq)
         events = [_membership_changed(state.workspace_id, state.scope_id, m, generation, state.roster.get(m.member_id))
                   for m in mutations]
-        return _Outcome({"roster_generation": generation}, events)
+        return Outcome({"roster_generation": generation}, events)
 
     async def _close_departed(self, conn: asyncpg.Connection, state: ScopeContext,
-                              command: CloseDeparted) -> _Outcome:
+                              command: CloseDeparted) -> Outcome:
         departed = await visibility.departed_among(conn, state.workspace_id, state.scope_id, list(command.member_ids))
         if not departed:
-            return _Outcome({"closed": []})
+            return Outcome({"closed": []})
         generation = await applier.apply_membership_mutations(
             conn, state.workspace_id, state.scope_id, [MembershipMutation(m, "close") for m in departed],
             state.latest_seq)
-        return _Outcome({"closed": departed}, [
+        return Outcome({"closed": departed}, [
             _membership_changed(state.workspace_id, state.scope_id, MembershipMutation(m, "close"), generation,
                                 state.roster.get(m), reason="departed")
             for m in departed])
