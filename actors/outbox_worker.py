@@ -10,7 +10,8 @@ import logging
 import trio
 
 from actors.fanout import CommittedEvent, FanoutHub
-from storage import applier, messages, visibility
+from actors.delivery_router import DeliveryRouter
+from storage import applier, deliveries, messages, visibility
 from storage.bridge import Database
 from storage.errors import DatabaseUnavailable
 from storage.ids import new_id
@@ -19,10 +20,11 @@ log = logging.getLogger("scopewire.outbox")
 
 
 class OutboxWorker:
-    def __init__(self, db: Database, hub: FanoutHub, *, poll_seconds: float = 2.0, batch: int = 100,
-                 lease_seconds: float = 30.0) -> None:
+    def __init__(self, db: Database, hub: FanoutHub, router: DeliveryRouter | None = None, *,
+                 poll_seconds: float = 2.0, batch: int = 100, lease_seconds: float = 30.0) -> None:
         self.db = db
         self.hub = hub
+        self.router = router
         self.poll_seconds = poll_seconds
         self.batch = batch
         self.lease_seconds = lease_seconds
@@ -61,6 +63,9 @@ class OutboxWorker:
         if await self.db.transaction(applier.suppress_if_fenced, row["id"], row["workspace_id"],
                                      row["execution_generation"]) is not None:
             return
+        if row["fanout_type"] == deliveries.ROUTED_FANOUT:
+            await self._offer_routed(row)
+            return
         message = await self.db.run(messages.committed_message, row["scope_id"], row["message_id"])
         if message is None:
             await self.db.transaction(applier.settle_suppressed, row["id"], "message_missing")
@@ -74,4 +79,14 @@ class OutboxWorker:
         self.hub.publish(CommittedEvent(row["fanout_type"], row["workspace_id"], row["scope_id"], message.seq,
                                         message.workspace_global_seq, message), roster=roster)
         await self.db.transaction(applier.settle_delivered, [row["id"]])
+        self.replayed += 1
+
+    async def _offer_routed(self, row) -> None:
+        """A worker-first routed row, or one whose inline handout a crash lost: its
+        unacked deliveries go to the router (which re-checks each and settles the row)."""
+        pending = await self.db.run(deliveries.outbox_deliveries, row["id"])
+        if self.router is None or not pending:
+            await self.db.transaction(applier.settle_delivered, [row["id"]])
+            return
+        self.router.offer([deliveries.routed_from_row(r) for r in pending])
         self.replayed += 1

@@ -9,7 +9,7 @@ from datetime import datetime
 
 import msgspec
 
-from actors import policy
+from actors import policy, routing
 from domain.plan import (
     ActorContext,
     DeliveryPolicy,
@@ -21,6 +21,7 @@ from domain.plan import (
     OutboxEvent,
     ScopeContext,
 )
+from domain.routing import Route
 from actors.routing_tokens import parse_routing_tokens
 from domain.authority import ScopeAuthority
 
@@ -76,12 +77,20 @@ def plan_message(intent: MessageIntent, actor: ActorContext, scope: ScopeContext
     admissions: dict[str, MembershipMutation] = {}
     executions: dict[str, str] = {}
     explain: list[Explain] = []
+    routes: dict[str, Route] = {}
 
     def address(candidate: MentionCandidate, how: str) -> bool:
         allowed, admits = policy.can_address(actor, scope, candidate, parent, authority, now)
         explain.append(Explain(candidate.member_id, f"{how}:{allowed.reason}", allowed.allowed))
         if not allowed.allowed:
             return False
+        if candidate.member_id not in routes and not intent.silent:
+            route, why = routing.addressed(actor.member_id, candidate.member_id, how, allowed.reason,
+                                           scope.roster.get(candidate.member_id))
+            if route is not None:
+                routes[candidate.member_id] = route
+            elif why != "self":
+                explain.append(Explain(candidate.member_id, f"route:{why}", False))
         private = candidate.visibility == "private"
         if admits:
             admissions.setdefault(candidate.member_id, MembershipMutation(
@@ -115,4 +124,5 @@ def plan_message(intent: MessageIntent, actor: ActorContext, scope: ScopeContext
     )
     return MessagePlan(intent=intent, actor=actor, digest=payload_digest(intent), live_mentions=tuple(live),
                        membership_mutations=tuple(admissions.values()), outbox=outbox, explain=tuple(explain),
-                       recipients=tuple(recipients), executions=tuple(executions.items()))
+                       recipients=tuple(recipients), executions=tuple(executions.items()),
+                       routes=tuple(routes.values()))

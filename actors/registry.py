@@ -25,8 +25,10 @@ actor_seconds: contextvars.ContextVar[float] = contextvars.ContextVar("scopewire
 class ScopeRegistry:
     def __init__(self, db: Database, hub: FanoutHub, nursery: trio.Nursery, *, idle_seconds: float = 30.0,
                  outbox_wake: Callable[[], None] | None = None, submit_timeout_seconds: float = 30.0,
-                 mailbox_size: int = 1024, on_commit: Callable[[int, float], None] | None = None) -> None:
+                 mailbox_size: int = 1024, on_commit: Callable[[int, float], None] | None = None,
+                 offer_deliveries: Callable[[list], None] | None = None) -> None:
         self.db = db
+        self.offer_deliveries = offer_deliveries
         self.on_commit = on_commit
         # Actors start in this context, not in that of the connection whose command
         # started them: request-scoped log fields must not stick to an actor's lines.
@@ -44,7 +46,7 @@ class ScopeRegistry:
         actor = self._actors.get(scope_id)
         if actor is None or actor.stopped:
             actor = ScopeActor(scope_id, self.db, self.hub, self.outbox_wake, self.idle_seconds, self.mailbox_size,
-                               self.on_commit)
+                               self.on_commit, self.offer_deliveries)
             self._actors[scope_id] = actor
             self._context.run(self._nursery.start_soon, self._supervise, actor)
         return actor

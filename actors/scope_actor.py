@@ -38,11 +38,13 @@ from domain.plan import (
     RosterEntry,
     ScopeContext,
 )
+from actors import routing
 from actors.planner import PlanRefused, mention_handles, plan_message
 from actors.policy import can_add_member
 from actors.routing_tokens import TooManyRoutingTokens
 from domain.authority import ScopeAuthority, private_read_reason
-from storage import applier, messages, private_authority, tenancy, visibility
+from domain.routing import RoutedDelivery
+from storage import applier, deliveries, messages, private_authority, tenancy, visibility
 from storage.bridge import Database
 from storage.errors import Conflict, DatabaseUnavailable, NotFound, StorageError, WriteFenced
 
@@ -172,6 +174,9 @@ class MarkRead(Command):
 @dataclass
 class SetNotification(Command):
     state: str
+    # Whose state: the acting member's own, or (checked by the caller) an agent's by its owner.
+    member_id: str | None = None
+    requires_membership: ClassVar[bool] = False  # the target member must be one
 
 
 @dataclass
@@ -185,12 +190,15 @@ class _Publication:
 
     items: list[tuple[CommittedEvent, frozenset[str]]] = field(default_factory=list)
     message_ids: list[str] = field(default_factory=list)
+    # Routed deliveries this actor hands out first (inline_targeted).
+    deliveries: list[RoutedDelivery] = field(default_factory=list)
     wake_outbox: bool = False
     published: bool = False
 
     def extend(self, other: _Publication) -> None:
         self.items += other.items
         self.message_ids += other.message_ids
+        self.deliveries += other.deliveries
         self.wake_outbox = self.wake_outbox or other.wake_outbox
 
 
@@ -202,13 +210,20 @@ class Outcome:
     events: list[CommittedEvent] = field(default_factory=list)
     # A domain command changed private authority (grants, collaborators) here.
     authority_changed: bool = False
+    # Routed deliveries committed with it, handed out inline after commit.
+    deliveries: list[RoutedDelivery] = field(default_factory=list)
+    # It wrote worker-first outbox rows (the outbox worker is woken after commit).
+    wakes_worker: bool = False
 
 
 class ScopeActor:
     def __init__(self, scope_id: str, db: Database, hub: FanoutHub, outbox_wake: Callable[[], None] | None = None,
                  idle_seconds: float = 30.0, mailbox_size: int = 1024,
-                 on_commit: Callable[[int, float], None] | None = None) -> None:
+                 on_commit: Callable[[int, float], None] | None = None,
+                 offer_deliveries: Callable[[list[RoutedDelivery]], None] | None = None) -> None:
         self.scope_id = scope_id
+        # Hands committed routed deliveries to the process's delivery router.
+        self.offer_deliveries = offer_deliveries
         # Told (batch size, seconds in the transaction) after each committed batch: metrics.
         self.on_commit = on_commit
         self.db = db
@@ -226,6 +241,8 @@ class ScopeActor:
         # readable predicate lets them (private agents), rebuilt with the roster.
         self._public_set: frozenset[str] = frozenset()
         self._private_readers: tuple[RosterEntry, ...] = ()
+        # Members whose notification state here is auto-wake (routing.auto_wake).
+        self._auto_wake: list[RosterEntry] = []
         # For a thread: the parent as this actor last read it (admission, inherited authority).
         self.parent: ScopeContext | None = None
         self.authority = ScopeAuthority()
@@ -344,6 +361,8 @@ class ScopeActor:
         for outcome in outcomes:
             if isinstance(outcome, BaseException):
                 continue
+            publication.deliveries += outcome.deliveries
+            publication.wake_outbox = publication.wake_outbox or outcome.wakes_worker
             for event in outcome.events:
                 # A member who just left still hears about their own removal.
                 publication.items.append(
@@ -352,7 +371,7 @@ class ScopeActor:
                     publication.message_ids.append(event.data.id)
                     if self.state is not None:
                         self.state.latest_seq = max(self.state.latest_seq, event.seq)
-        publication.wake_outbox = any(isinstance(c, (Edit, Withdraw)) for c in batch)
+        publication.wake_outbox = publication.wake_outbox or any(isinstance(c, (Edit, Withdraw)) for c in batch)
         return publication
 
     async def _create(self, batch: list[Command]) -> _Publication:
@@ -423,6 +442,7 @@ class ScopeActor:
         roster = self.state.roster if self.state else {}
         self._roster_set = frozenset(roster)
         self._private_readers = tuple(e for e in roster.values() if e.visibility == "private")
+        self._auto_wake = [e for e in roster.values() if e.notification_state == "auto-wake"]
         self._public_set = (frozenset(m for m, e in roster.items() if e.visibility == "public")
                             if self._private_readers else self._roster_set)
 
@@ -468,6 +488,8 @@ class ScopeActor:
         self.hub.publish_many(publication.items)
         # Marked delivered only once really handed over (see _settle).
         self._unsettled.extend(publication.message_ids)
+        if publication.deliveries and self.offer_deliveries is not None:
+            self.offer_deliveries(publication.deliveries)
         if publication.wake_outbox and self.outbox_wake is not None:
             self.outbox_wake()
 
@@ -571,6 +593,7 @@ class ScopeActor:
                 self._roster_dirty = True
                 await applier.apply_membership_mutations(conn, state.workspace_id, state.scope_id, admissions,
                                                          committed[-1].seq, opened_at)
+            await self._write_routes(conn, state, fresh, committed, outcomes)
         for index, key in duplicates:
             first_index, first_plan = claimed[key]
             first = outcomes[first_index]
@@ -578,6 +601,40 @@ class ScopeActor:
                 outcomes[index] = Outcome(_as_replay(first.value))
             else:
                 outcomes[index] = Conflict("idempotency_conflict", "same client_message_id, different payload")
+
+    async def _write_routes(self, conn: asyncpg.Connection, state: ScopeContext, fresh: list[tuple[int, MessagePlan]],
+                            committed: list[CommittedMessage], outcomes: list[Any]) -> None:
+        """Write the deliveries these messages route: their authorized mentions and
+        recipients (planned), plus the members in auto-wake here, decided now that
+        each message's seq says what a private agent reads.  Nothing for an
+        ordinary message nobody is addressed by or auto-wakes on."""
+        sets: list[tuple[int, deliveries.RouteSet]] = []
+        now = None
+        for (index, plan), message in zip(fresh, committed):
+            if plan.intent.silent:
+                continue
+            routes = list(plan.routes)
+            routed = {r.member_id for r in routes}
+            candidates = [e for e in self._auto_wake if e.member_id not in routed]
+            if candidates:
+                readers: Any = ()
+                if any(e.visibility == "private" for e in candidates):
+                    now = now or await messages.transaction_time(conn)
+                    readers = self._message_audience(message.author_member_id, message.seq,
+                                                     message.workspace_global_seq, message.created_at)
+                routes += routing.auto_wake(message.author_member_id, state.roster.get(message.author_member_id),
+                                            candidates, readers, self.authority, now)
+            if routes:
+                sets.append((index, deliveries.RouteSet(tuple(routes), message_id=message.id)))
+        if not sets:
+            return
+        written = await deliveries.write_routes(conn, state.workspace_id, state.scope_id, [s for _, s in sets],
+                                                fresh[0][1].actor.execution_generation)
+        by_message: dict[str, list[RoutedDelivery]] = {}
+        for delivery in written:
+            by_message.setdefault(delivery.message_id, []).append(delivery)
+        for index, route_set in sets:
+            outcomes[index].deliveries = by_message.get(route_set.message_id, [])
 
     def _private_readers_here(self) -> bool:
         """Whether any private agent may be addressed here (in this scope or, for a thread, its parent)."""
@@ -636,8 +693,8 @@ class ScopeActor:
 
     async def _react(self, conn: asyncpg.Connection, state: ScopeContext, command: React) -> Outcome:
         actor = command.actor
-        changed, message = await applier.set_reaction(conn, state.workspace_id, state.scope_id, command.message_id,
-                                                      actor.member_id, command.key, command.add)
+        changed, message, activity_event_id = await applier.set_reaction(
+            conn, state.workspace_id, state.scope_id, command.message_id, actor.member_id, command.key, command.add)
         # Bound by the message: a private agent hears of reactions only on what it reads.
         author = state.roster.get(message["author_member_id"])
         if any(r.effective_from_seq > message["seq"] for r in self._private_readers) or (
@@ -651,7 +708,19 @@ class ScopeActor:
                                state.scope_id, None, None,
                                {"message_id": command.message_id, "key": command.key, "member_id": actor.member_id},
                                audience=audience)
-        return Outcome({"changed": changed}, [event] if changed else [])
+        outcome = Outcome({"changed": changed}, [event] if changed else [])
+        if changed and command.add:
+            author = state.roster.get(message["author_member_id"])
+            private = author is not None and author.visibility == "private"
+            now = await messages.transaction_time(conn) if private else None
+            route, _ = routing.reaction(actor.member_id, state.roster.get(actor.member_id), author, self.authority, now)
+            if route is not None:
+                # worker_first_targeted: the outbox worker hands it out after commit.
+                await deliveries.write_routes(conn, state.workspace_id, state.scope_id, [deliveries.RouteSet(
+                    (route,), message_id=command.message_id, activity_event_id=activity_event_id)],
+                    actor.execution_generation)
+                outcome.wakes_worker = True
+        return outcome
 
     async def _mark_read(self, conn: asyncpg.Connection, state: ScopeContext, command: MarkRead) -> Outcome:
         actor = command.actor
@@ -666,14 +735,18 @@ class ScopeActor:
 
     async def _set_notification(self, conn: asyncpg.Connection, state: ScopeContext,
                                 command: SetNotification) -> Outcome:
-        actor = command.actor
-        await applier.set_notification_state(conn, state.workspace_id, state.scope_id, actor.member_id,
-                                             command.state)
+        member_id = command.member_id or command.actor.member_id
+        if member_id not in state.roster:
+            if member_id == command.actor.member_id:
+                raise Refused("forbidden", "not a member of this scope", "not_a_member")
+            raise NotFound("membership")
+        await applier.set_notification_state(conn, state.workspace_id, state.scope_id, member_id, command.state)
         await applier.apply_membership_mutations(conn, state.workspace_id, state.scope_id, [], state.latest_seq)
+        self._roster_dirty = True  # the cached roster carries the state routing reads
         return Outcome({"state": command.state}, [CommittedEvent(
             "inbox.changed", state.workspace_id, state.scope_id, None, None,
-            {"member_id": actor.member_id, "notification_state": command.state},
-            audience=frozenset({actor.member_id}))])
+            {"member_id": member_id, "notification_state": command.state},
+            audience=frozenset({member_id, command.actor.member_id}))])
 
     async def _archive(self, conn: asyncpg.Connection, state: ScopeContext, command: Archive) -> Outcome:
         await applier.archive_scope(conn, state.scope_id)

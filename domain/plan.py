@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from domain.routing import Route
+
 
 
 class MentionMode(str, enum.Enum):
@@ -78,6 +80,8 @@ class RosterEntry:
     last_read_seq: int
     # Where the open membership's interval starts: a private reader reads nothing before it.
     effective_from_seq: int = 1
+    # The member's notification state here (scope-model.md §3.4): it decides routing.
+    notification_state: str = "active"
 
 
 @dataclass
@@ -148,6 +152,9 @@ class MessagePlan:
     recipients: tuple[str, ...] = ()  # explicit recipients that passed the Policy
     # (owner, trigger) of Scope Executions this message creates if missing (a wake, an owner_quote).
     executions: tuple[tuple[str, str], ...] = ()
+    # Who this message wakes by mention or explicit recipient (auto-wake is added at commit,
+    # when the message's seq decides what a private agent reads).
+    routes: tuple[Route, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from typing import Literal
 
 import msgspec
 
-from protocol import collaboration
+from protocol import collaboration, deliveries
 from protocol import frames as f
 
 
@@ -95,6 +95,7 @@ EVENTS: dict[str, type[msgspec.Struct]] = {
     "inbox.changed": InboxChanged,
     "scope.archived": ScopeArchived,
     "collaborator.changed": collaboration.CollaboratorChanged,
+    **deliveries.EVENTS,
 }
 MESSAGE_EVENTS = frozenset(name for name, payload in EVENTS.items() if payload is f.MessageInfo)
 

@@ -331,8 +331,14 @@ class ReadMarkUnread(WorkspaceRequest, tag="read.mark_unread"):
 
 
 class NotificationSet(WorkspaceRequest, tag="notification.set"):
+    """Your notification state in `scope_id` — or, as its owner, your agent's
+    (`member_id`): it decides what a mention, an explicit recipient or a reaction
+    routes to the member, and whether ordinary messages wake it (`auto-wake`).
+    See the README's table of states."""
+
     scope_id: Id
     state: NotificationState
+    member_id: Id | None = None
 
 
 class InboxList(WorkspaceRequest, tag="inbox.list"):
@@ -392,13 +398,6 @@ CLIENT_FRAMES: tuple[type[Request], ...] = (
     ReactionAdd, ReactionRemove, ReadMark, ReadMarkUnread, NotificationSet, InboxList, ConversationAction,
     Subscribe, Unsubscribe, Typing, Presence,
 )
-# Each later domain defines its ops in its own module (the frame types above
-# are defined by then, so the import is not circular) and is appended here.
-from protocol import collaboration as _collaboration, private_agents as _private_agents  # noqa: E402
-
-CLIENT_FRAMES += (*_collaboration.FRAMES, *_private_agents.FRAMES)
-ClientFrame = Union[CLIENT_FRAMES]  # type: ignore[valid-type]
-KNOWN_OPS = frozenset(frame.__struct_config__.tag for frame in CLIENT_FRAMES)
 
 
 def op_of(request: Request) -> str:
@@ -613,3 +612,13 @@ CLOSE_REVOKED = 4403          # the credential was revoked, expired, or the memb
 CLOSE_SLOW_CONSUMER = 4408    # the client did not keep up; reconnect and resume from your cursors
 CLOSE_IDLE = 4400             # no frame from the client for idle_timeout_seconds
 CLOSE_UNAVAILABLE = 1011      # the server could not deliver (e.g. database down); resume from your cursors
+
+
+# Each later domain defines its ops in its own module (every frame type above
+# is defined by then, so the import is not circular) and is appended here.
+from protocol import (  # noqa: E402
+    collaboration as _collaboration, deliveries as _deliveries, private_agents as _private_agents)
+
+CLIENT_FRAMES += (*_collaboration.FRAMES, *_private_agents.FRAMES, *_deliveries.FRAMES)
+ClientFrame = Union[CLIENT_FRAMES]  # type: ignore[valid-type]
+KNOWN_OPS = frozenset(frame.__struct_config__.tag for frame in CLIENT_FRAMES)

@@ -14,7 +14,7 @@ from typing import Literal
 
 import msgspec
 
-from protocol import collaboration, private_agents
+from protocol import collaboration, deliveries, private_agents
 from protocol import frames as f
 
 
@@ -112,6 +112,7 @@ RESULTS: dict[type[f.Request], type[msgspec.Struct]] = {
     f.Presence: f.Ok,
     **collaboration.RESULTS,
     **private_agents.RESULTS,
+    **deliveries.RESULTS,
 }
 assert set(RESULTS) == set(f.CLIENT_FRAMES), "every op needs exactly one result type"
 

@@ -28,6 +28,7 @@ from protocol import frames
 from protocol.codec import decode_request, encode, error_frame
 from protocol.errors import ErrorCode, ProtocolError
 from actors.fanout import FanoutHub
+from actors.delivery_router import DeliveryRouter, FeedSubscription
 from actors.outbox_worker import OutboxWorker
 from actors.registry import ScopeRegistry, actor_seconds
 from server import handlers, http, logs, messaging
@@ -38,6 +39,7 @@ from server.auth import Authenticator
 from server.config import ServerConfig
 from server.context import Principal
 from server.metrics import ServerMetrics
+from server.ops.deliveries import release_all as release_feeds
 from server.realtime import PushState
 from server.transport import ConnectionClosed, WebSocket
 from server.wire import server_frame
@@ -74,6 +76,8 @@ class Connection:
     # A revocation arrived while a command was answered: checked again after its reply.
     recheck_after_reply: bool = False
     push: PushState | None = None
+    # Routed delivery feeds this connection consumes, by workspace (server/ops/deliveries.py).
+    delivery_feeds: dict[str, FeedSubscription] = field(default_factory=dict)
     last_inbound: float = field(default_factory=trio.current_time)
     command_bucket: TokenBucket | None = None
     # Workspaces a session has acted in (None until its first workspace request):
@@ -155,6 +159,7 @@ class Server:
     presence_limiter: KeyedRateLimiter = field(default_factory=lambda: KeyedRateLimiter(0.2, 3))
     registry: ScopeRegistry | None = None
     outbox: OutboxWorker | None = None
+    deliveries: DeliveryRouter = field(init=False)
     port: int | None = None
     # Already bound (the CLI binds before touching the database, to fail fast); else run() binds.
     listeners: list[trio.SocketListener] | None = None
@@ -176,6 +181,8 @@ class Server:
             max_connections=self.config.max_connections,
             max_unauthenticated=self.config.max_unauthenticated_connections,
             max_unauthenticated_per_address=self.config.max_unauthenticated_per_address)
+        self.deliveries = DeliveryRouter(self.db, lease_seconds=self.config.delivery_lease_seconds,
+                                         retention_hours=self.config.delivery_retention_hours)
         self.metrics.bind(self)
 
     async def edition(self) -> str | None:
@@ -188,11 +195,13 @@ class Server:
         the shutdown grace), then stop the actors."""
         warn_if_descriptors_short(self.config.max_connections)
         async with trio.open_nursery() as actors_nursery:
-            self.outbox = OutboxWorker(self.db, self.hub)
+            self.outbox = OutboxWorker(self.db, self.hub, self.deliveries)
             outbox = self.outbox
             self.registry = ScopeRegistry(self.db, self.hub, actors_nursery, idle_seconds=self.config.actor_idle_seconds,
                                           outbox_wake=lambda: outbox.wake.set(),
-                                          on_commit=self.metrics.batch_committed)
+                                          on_commit=self.metrics.batch_committed,
+                                          offer_deliveries=self.deliveries.offer)
+            await actors_nursery.start(self.deliveries.run)
             await actors_nursery.start(self.outbox.run)
             await actors_nursery.start(messaging.sweep_departed_members, self)
             await actors_nursery.start(run_collaborator_maintenance, self)
@@ -278,6 +287,7 @@ class Server:
             finally:
                 if connection.push is not None:
                     connection.push.stop()
+                release_feeds(self, connection)
                 self.connections.remove(connection)
                 ws.abort()
         finally:

@@ -97,7 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
             ("--max-subscriptions", "MAX_SUBSCRIPTIONS", "100", "scope subscriptions per connection"),
             ("--push-buffer-bytes", "PUSH_BUFFER_BYTES", "1048576", "unsent bytes before a slow consumer is cut off"),
             ("--push-buffer-events", "PUSH_BUFFER_EVENTS", "1024", "live events held behind a replay before cut-off"),
-            ("--push-timeout", "PUSH_TIMEOUT", "10", "seconds a replay write may block before cut-off")):
+            ("--push-timeout", "PUSH_TIMEOUT", "10", "seconds a replay write may block before cut-off"),
+            ("--delivery-lease-seconds", "DELIVERY_LEASE_SECONDS", "60",
+             "seconds a routed delivery stays with one connection unacked before it is sent again"),
+            ("--delivery-retention-hours", "DELIVERY_RETENTION_HOURS", "168",
+             "hours an unacked routed delivery waits before it expires")):
         serve.add_argument(flag, type=float, default=float(_env(env, default)), help=f"{text} (default: %(default)s)")
     serve.add_argument("--metrics-port", type=int, default=_env("METRICS_PORT"),
                        help="serve /metrics (and /healthz, /readyz) on this port instead of the WebSocket port, "
@@ -165,6 +169,8 @@ def server_config_from(args: argparse.Namespace) -> ServerConfig:
                         push_buffer_bytes=int(args.push_buffer_bytes),
                         push_buffer_events=int(args.push_buffer_events),
                         push_timeout_seconds=args.push_timeout,
+                        delivery_lease_seconds=args.delivery_lease_seconds,
+                        delivery_retention_hours=args.delivery_retention_hours,
                         max_connections=int(args.max_connections),
                         max_unauthenticated_connections=int(args.max_unauthenticated),
                         max_unauthenticated_per_address=int(args.max_unauthenticated_per_address),

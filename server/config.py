@@ -61,6 +61,10 @@ class ServerConfig:
     heartbeat_seconds: float = 30.0
     heartbeat_timeout_seconds: float = 20.0
     idle_timeout_seconds: float = 600.0
+    # Routed deliveries: an unacked handout is sent again after this long; unacked
+    # deliveries older than the retention expire (routed history is not an unbounded queue).
+    delivery_lease_seconds: float = 60.0
+    delivery_retention_hours: float = 168.0
     # Operability: /metrics on its own port (None: on the WebSocket port), and the
     # duration past which a command is logged as slow, with its phases.
     metrics_port: int | None = None

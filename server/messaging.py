@@ -27,7 +27,7 @@ from protocol.reaction_keys import InvalidReactionKey, normalize_reaction_key
 from server.context import RequestContext, WorkspaceContext
 from server.rbac import Permission
 from storage import applier, messages, tenancy, visibility
-from storage.errors import StorageError
+from storage.errors import NotFound, StorageError
 from storage.ids import is_valid_id, new_id
 
 if TYPE_CHECKING:
@@ -570,7 +570,17 @@ async def read_mark_unread(server: Server, connection: Connection, request: f.Re
 async def notification_set(server: Server, connection: Connection, request: f.NotificationSet,
                            ctx: RequestContext) -> results.NotificationStateResult:
     workspace, row = await _scope(server, ctx, request.scope_id, Permission.MESSAGE_READ)
-    outcome = await _submit(server, row["id"], cmd.SetNotification(_actor(workspace), request.state))
+    target = request.member_id
+    if target is not None and target != workspace.member_id:
+        _check_id(target, "mem", "member")
+        # Only an agent's owner sets its state; anyone else learns nothing about the member.
+        try:
+            member = await server.db.run(messages.member_candidate, workspace.workspace_id, target)
+        except NotFound:
+            member = None
+        if member is None or member.kind != "agent" or member.owner_member_id != workspace.member_id:
+            raise ProtocolError(ErrorCode.NOT_FOUND, "no such agent of yours")
+    outcome = await _submit(server, row["id"], cmd.SetNotification(_actor(workspace), request.state, target))
     return results.NotificationStateResult(state=outcome["state"])
 
 

@@ -280,6 +280,21 @@ async def _insert_message_outbox(conn: asyncpg.Connection, workspace_id: str, sc
     )
 
 
+async def insert_routed_outbox(conn: asyncpg.Connection, workspace_id: str, scope_id: str, fanout_type: str,
+                              generation: int, rows: list[tuple]) -> None:
+    """One routed-delivery outbox row per routed message or activity (storage/deliveries.py builds
+    them): (id, message_id, ref_type, ref_id, policy, dedupe_key, payload json, grace seconds)."""
+    columns = [list(c) for c in zip(*rows)]
+    await conn.execute(
+        "INSERT INTO scope_fanout_outbox (id, workspace_id, scope_id, message_id, event_ref_type, event_ref_id, "
+        "fanout_type, delivery_policy, dedupe_key, payload, execution_generation, next_attempt_at) "
+        "SELECT i, $1, $2, m, rt, ri, $3, dp, dk, p::jsonb, $4, now() + make_interval(secs => g) FROM unnest("
+        "$5::text[], $6::text[], $7::text[], $8::text[], $9::text[], $10::text[], $11::text[], $12::int[]) "
+        "AS t(i, m, rt, ri, dp, dk, p, g)",
+        workspace_id, scope_id, fanout_type, generation, *columns,
+    )
+
+
 async def enqueue_mutation(conn: asyncpg.Connection, workspace_id: str, scope_id: str, message_id: str,
                            fanout_type: str, dedupe_key: str, payload: dict, generation: int) -> None:
     """worker_first_mutation: edits and withdrawals are projected by the outbox worker."""
@@ -368,10 +383,11 @@ async def withdraw_message(conn: asyncpg.Connection, scope_id: str, message_id: 
 
 
 async def set_reaction(conn: asyncpg.Connection, workspace_id: str, scope_id: str, message_id: str, member_id: str,
-                       key: str, add: bool) -> tuple[bool, asyncpg.Record]:
+                       key: str, add: bool) -> tuple[bool, asyncpg.Record, str | None]:
     """Assert add/remove of (member, message, key); the last committed assertion
-    wins.  Returns whether the visible set changed, and the message's author,
-    global seq and commit time (who may hear of it).  Removal keeps no row."""
+    wins.  Returns whether the visible set changed, the message's author,
+    global seq and commit time (who may hear of it), and the activity event a
+    change wrote.  Removal keeps no row."""
     message = await conn.fetchrow(
         "SELECT state, author_member_id, seq, workspace_global_seq, created_at FROM scope_messages "
         "WHERE scope_id = $1 AND id = $2", scope_id, message_id
@@ -392,16 +408,18 @@ async def set_reaction(conn: asyncpg.Connection, workspace_id: str, scope_id: st
             message_id, member_id, key,
         )
     changed = not result.endswith(" 0")
+    activity_event_id = None
     if changed:
-        await _activity_event(conn, workspace_id, scope_id, "reaction.added" if add else "reaction.removed",
-                              "message", message_id, message_id, member_id, {"key": key})
-    return changed, message
+        activity_event_id = await _activity_event(
+            conn, workspace_id, scope_id, "reaction.added" if add else "reaction.removed", "message", message_id,
+            message_id, member_id, {"key": key})
+    return changed, message, activity_event_id
 
 
 async def _activity_event(conn: asyncpg.Connection, workspace_id: str, scope_id: str, activity_type: str,
                           ref_type: str, ref_id: str, source_message_id: str | None, actor: str,
-                          payload: dict) -> None:
-    """A non-message activity event (never for message-created/mentions)."""
+                          payload: dict) -> str:
+    """A non-message activity event (never for message-created/mentions): its id."""
     activity_seq = await conn.fetchval(
         "INSERT INTO workspace_message_counters (workspace_id, latest_activity_global_seq) VALUES ($1, 1) "
         "ON CONFLICT (workspace_id) DO UPDATE SET "
@@ -409,13 +427,15 @@ async def _activity_event(conn: asyncpg.Connection, workspace_id: str, scope_id:
         "RETURNING latest_activity_global_seq",
         workspace_id,
     )
+    activity_event_id = new_id("act")
     await conn.execute(
         "INSERT INTO scope_activity_events (id, workspace_id, scope_id, activity_type, activity_ref_type, "
         "activity_ref_id, activity_global_seq, source_message_id, actor_member_id, payload) "
         "VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10::jsonb)",
-        new_id("act"), workspace_id, scope_id, activity_type, ref_type, ref_id, activity_seq, source_message_id,
+        activity_event_id, workspace_id, scope_id, activity_type, ref_type, ref_id, activity_seq, source_message_id,
         actor, json.dumps(payload),
     )
+    return activity_event_id
 
 
 # --- read state and personal conversation state --------------------------------------------------

@@ -39,6 +39,7 @@ PREFIXES = frozenset(
         "msg",  # message
         "act",  # activity event
         "obx",  # outbox row
+        "dlv",  # routed delivery (the sparse delivery ledger)
         "con",  # connection
         "req",  # request
     }

@@ -968,6 +968,92 @@ task_collaborator_notification_jobs = introduced_in(2, Table(
     indexes=(Index("task_collaborator_notification_jobs_pending_idx", "queued_at", where="state = 'pending'"),),
 ))
 
+# Per recipient, the allocator of delivery_seq: the writing transaction holds the
+# row until commit, so a recipient's deliveries number in commit order, gap-free.
+member_delivery_feeds = introduced_in(3, Table(
+    "member_delivery_feeds",
+    columns=(
+        Column("workspace_id", "text"),
+        Column("member_id", "text"),
+        Column("latest_delivery_seq", "bigint", default="0"),
+    ),
+    primary_key=("workspace_id", "member_id"),
+    checks=(Check("member_delivery_feeds_seq_nonnegative", "latest_delivery_seq >= 0"),),
+    foreign_keys=(member_fk("member_delivery_feeds", "member_id"),),
+))
+
+DELIVERY_STATUSES = ("pending", "leased", "acked", "suppressed", "expired", "failed")
+DELIVERY_REASONS = ("mention", "recipient", "auto_wake", "reaction")
+
+# The sparse delivery ledger (collaborator-policy §5): one row per recipient of a
+# wake only — mentions, explicit recipients, auto-wake, reactions — never per
+# reader of an ordinary message.  Its ack/lease state makes delivery at-least-once.
+scope_targeted_deliveries = introduced_in(3, Table(
+    "scope_targeted_deliveries",
+    columns=(
+        Column("id", "text"),
+        Column("workspace_id", "text"),
+        Column("recipient_member_id", "text"),
+        Column("delivery_seq", "bigint"),
+        Column("outbox_id", "text"),
+        Column("scope_id", "text"),
+        Column("message_id", "text", nullable=True),
+        Column("activity_event_id", "text", nullable=True),
+        Column("reason", "text"),
+        Column("authority", "text", nullable=True),
+        Column("dedupe_key", "text"),
+        Column("push", "boolean"),
+        Column("status", "text", default="'pending'"),
+        Column("attempts", "integer", default="0"),
+        Column("max_attempts", "integer", default="10"),
+        Column("lease_owner", "text", nullable=True),
+        Column("lease_expires_at", TS, nullable=True),
+        Column("created_at", TS, default=NOW),
+        Column("acked_at", TS, nullable=True),
+        Column("suppressed_at", TS, nullable=True),
+        Column("suppression_reason", "text", nullable=True),
+    ),
+    primary_key=("id",),
+    uniques=(
+        Unique("scope_targeted_deliveries_dedupe_key_key", ("dedupe_key",)),
+        Unique("scope_targeted_deliveries_recipient_seq_key", ("workspace_id", "recipient_member_id", "delivery_seq")),
+    ),
+    checks=(
+        id_check("scope_targeted_deliveries", "id", "dlv"),
+        enum_check("scope_targeted_deliveries", "status", DELIVERY_STATUSES),
+        enum_check("scope_targeted_deliveries", "reason", DELIVERY_REASONS),
+        Check("scope_targeted_deliveries_seq_positive", "delivery_seq >= 1"),
+        Check("scope_targeted_deliveries_source", "message_id IS NOT NULL OR activity_event_id IS NOT NULL"),
+        Check("scope_targeted_deliveries_attempts", "attempts >= 0 AND max_attempts >= 1"),
+        Check("scope_targeted_deliveries_lease_state",
+              "(status = 'leased') = (lease_owner IS NOT NULL AND lease_expires_at IS NOT NULL)"),
+        Check("scope_targeted_deliveries_acked_state", "(status = 'acked') = (acked_at IS NOT NULL)"),
+        Check("scope_targeted_deliveries_suppressed_state",
+              "(status IN ('suppressed', 'expired', 'failed')) = (suppressed_at IS NOT NULL)"),
+    ),
+    foreign_keys=(
+        tenant_fk("scope_targeted_deliveries", ("workspace_id", "scope_id"), "scopes", ("workspace_id", "id"),
+                  "scope"),
+        tenant_fk("scope_targeted_deliveries", ("scope_id", "message_id"), "scope_messages", ("scope_id", "id"),
+                  "message"),
+        tenant_fk("scope_targeted_deliveries", ("activity_event_id",), "scope_activity_events", ("id",),
+                  "activity_event"),
+        tenant_fk("scope_targeted_deliveries", ("outbox_id",), "scope_fanout_outbox", ("id",), "outbox"),
+        tenant_fk("scope_targeted_deliveries", ("workspace_id", "recipient_member_id"), "member_delivery_feeds",
+                  ("workspace_id", "member_id"), "feed"),
+    ),
+    indexes=(
+        # A subscribe's replay and the lease sweep: a recipient's unacked deliveries in seq order.
+        Index("scope_targeted_deliveries_unacked_idx", "workspace_id, recipient_member_id, delivery_seq",
+              where="status IN ('pending', 'leased')"),
+        Index("scope_targeted_deliveries_outbox_idx", "outbox_id"),
+        Index("scope_targeted_deliveries_activity_idx", "activity_event_id", where="activity_event_id IS NOT NULL"),
+        Index("scope_targeted_deliveries_message_idx", "scope_id, message_id", where="message_id IS NOT NULL"),
+        # The retention sweep: the oldest unacked first.
+        Index("scope_targeted_deliveries_retention_idx", "created_at", where="status IN ('pending', 'leased')"),
+    ),
+))
+
 SCHEMA = Schema(
     tables=(
         instance_metadata,
@@ -996,6 +1082,8 @@ SCHEMA = Schema(
         task_scope_participant_metadata,
         task_collaborator_events,
         task_collaborator_notification_jobs,
+        member_delivery_feeds,
+        scope_targeted_deliveries,
     ),
     versions=(
         Version(1, "tenancy kernel and message domain",
@@ -1009,6 +1097,7 @@ SCHEMA = Schema(
             "'client_quote', metadata -> 'quote', 'client_shared_by_member_id', metadata -> 'shared_by_member_id')) "
             "WHERE metadata ?| array['recipients', 'quote', 'shared_by_member_id']",
         )),
+        Version(3, "routed delivery: per-recipient delivery feeds and the sparse targeted delivery ledger"),
     ),
     extensions=EXTENSIONS,
 )

@@ -59,13 +59,16 @@ async def entitled_roster(conn: asyncpg.Connection, scope_id: str) -> frozenset[
 async def roster_entries(conn: asyncpg.Connection, scope_id: str) -> dict[str, RosterEntry]:
     """The scope actor's roster: who may write here and receives its events."""
     rows = await conn.fetch(
-        f"SELECT r.member_id, mem.kind, r.visibility, r.owner_member_id, r.last_read_seq, r.effective_from_seq "
-        f"FROM {ENTITLED_MEMBERSHIPS} r "
-        f"JOIN members mem ON mem.workspace_id = r.workspace_id AND mem.id = r.member_id WHERE r.scope_id = $1",
+        f"SELECT r.member_id, mem.kind, r.visibility, r.owner_member_id, r.last_read_seq, r.effective_from_seq, "
+        f"coalesce(n.state, 'active') AS notification_state FROM {ENTITLED_MEMBERSHIPS} r "
+        f"JOIN members mem ON mem.workspace_id = r.workspace_id AND mem.id = r.member_id "
+        f"LEFT JOIN scope_notification_settings n ON n.scope_id = r.scope_id AND n.member_id = r.member_id "
+        f"WHERE r.scope_id = $1",
         scope_id,
     )
     return {r["member_id"]: RosterEntry(r["member_id"], r["kind"], r["visibility"], r["owner_member_id"],
-                                        r["last_read_seq"], r["effective_from_seq"]) for r in rows}
+                                        r["last_read_seq"], r["effective_from_seq"], r["notification_state"])
+            for r in rows}
 
 
 async def typing_audience(conn: asyncpg.Connection, scope_id: str, typist: str) -> frozenset[str]:
