@@ -96,6 +96,10 @@ class DeliveryRouter:
         self.handed_out = 0
         self.suppressed = 0
 
+    @property
+    def subscription_count(self) -> int:
+        return sum(len(subscribers) for subscribers in self._subscriptions.values())
+
     # --- called synchronously by actors, the outbox worker and connections --------------------
 
     def offer(self, offered: list[RoutedDelivery]) -> None:
@@ -252,14 +256,14 @@ class DeliveryRouter:
         if refused:
             await deliveries.suppress(conn, refused, now)
             self.suppressed += len(refused)
-        result: list[tuple[FeedSubscription, list[Handout]]] = []
-        leased_rows = []
-        for subscription, chosen in plan:
-            allowed = [i for i in chosen if i not in refused]
-            rows = await deliveries.lease(conn, allowed, subscription.owner, now, self.lease_seconds) if allowed else []
-            rows = sorted(rows, key=lambda r: r["delivery_seq"])
-            leased_rows += rows
-            result.append((subscription, rows))
+        owner_of = {i: subscription for subscription, chosen in plan for i in chosen if i not in refused}
+        leased_rows = sorted(await deliveries.lease(conn, list(owner_of), [s.owner for s in owner_of.values()], now,
+                                                    self.lease_seconds) if owner_of else [],
+                             key=lambda r: r["delivery_seq"])
+        by_subscription: dict[int, list[Any]] = defaultdict(list)
+        for row in leased_rows:
+            by_subscription[id(owner_of[row["id"]])].append(row)
+        result = [(subscription, by_subscription.get(id(subscription), [])) for subscription, _ in plan]
         found = await deliveries.messages_by_id(conn, sorted({r["message_id"] for r in leased_rows if r["message_id"]}))
         activity_ids = sorted({r["activity_event_id"] for r in leased_rows if r["activity_event_id"]})
         activities = await deliveries.activity_events(conn, activity_ids) if activity_ids else {}

@@ -165,6 +165,14 @@ class _ServerCollector(Collector):
                                       value=outbox.replayed)
             yield CounterMetricFamily("scopewire_outbox_retries", "Outbox deliveries that failed and were "
                                       "scheduled again", value=outbox.failed_attempts)
+        router = server.deliveries
+        yield CounterMetricFamily("scopewire_routed_deliveries_handed_out", "Routed deliveries leased to a "
+                                  "subscribed connection (first handouts and redeliveries)", value=router.handed_out)
+        yield CounterMetricFamily("scopewire_routed_deliveries_suppressed", "Routed deliveries the handout "
+                                  "re-check suppressed (withdrawn, unreadable, authority revoked)",
+                                  value=router.suppressed)
+        yield from _gauge("scopewire_routed_feed_subscriptions", "Connections subscribed to a routed delivery feed",
+                          router.subscription_count)
         yield from _gauge("scopewire_outbox_backlog", "Undelivered outbox rows (absent when the database "
                           "could not be asked)", metrics.outbox_undelivered)
         yield from _gauge("scopewire_outbox_due", "Undelivered outbox rows due for the worker now",

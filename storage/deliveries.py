@@ -108,10 +108,10 @@ def routed_from_row(row: asyncpg.Record) -> RoutedDelivery:
 
 # --- handout, ack, release -------------------------------------------------------------------------
 
-async def lease(conn: asyncpg.Connection, delivery_ids: list[str], owner: str, now: datetime,
+async def lease(conn: asyncpg.Connection, delivery_ids: list[str], owners: list[str], now: datetime,
                 lease_seconds: float) -> list[asyncpg.Record]:
-    """Lease to `owner` those of `delivery_ids` that are free (pending, or leased
-    with an expired lease); a delivery handed out
+    """Lease each of `delivery_ids` to its owner in `owners` (a connection) when it
+    is free (pending, or leased with an expired lease); a delivery handed out
     max_attempts times without an ack fails instead.  Returns the leased rows."""
     await conn.execute(
         "UPDATE scope_targeted_deliveries SET status = 'failed', suppressed_at = $2, "
@@ -121,10 +121,10 @@ async def lease(conn: asyncpg.Connection, delivery_ids: list[str], owner: str, n
         delivery_ids, now,
     )
     return await conn.fetch(
-        "UPDATE scope_targeted_deliveries SET status = 'leased', lease_owner = $2, lease_expires_at = $4, "
-        "attempts = attempts + 1 WHERE id = ANY($1::text[]) AND (status = 'pending' OR (status = 'leased' "
-        "AND lease_expires_at <= $3)) RETURNING *",
-        delivery_ids, owner, now, now + timedelta(seconds=lease_seconds),
+        "UPDATE scope_targeted_deliveries d SET status = 'leased', lease_owner = t.owner, lease_expires_at = $4, "
+        "attempts = attempts + 1 FROM unnest($1::text[], $2::text[]) AS t(id, owner) WHERE d.id = t.id "
+        "AND (d.status = 'pending' OR (d.status = 'leased' AND d.lease_expires_at <= $3)) RETURNING d.*",
+        delivery_ids, owners, now, now + timedelta(seconds=lease_seconds),
     )
 
 

@@ -135,3 +135,14 @@ def test_only_the_authority_writer_writes_grants_and_collaborators():
     offenders = [str(p.relative_to(ROOT)) for p in _sources("storage", "server", "actors")
                  if p not in allowed and write.search(p.read_text())]
     assert offenders == []
+
+
+def test_only_the_delivery_ledger_module_writes_routed_deliveries():
+    """Delivery state moves only through storage/deliveries.py: a second writer
+    could hand a delivery out twice or ack what nobody handled."""
+    write = re.compile(r"\b(INSERT\s+INTO|UPDATE|DELETE\s+FROM)\s+(member_delivery_feeds|scope_targeted_deliveries)\b")
+    allowed = {ROOT / "storage" / "deliveries.py"}
+    offenders = [str(p.relative_to(ROOT)) for p in _sources("storage", "server", "actors")
+                 if p not in allowed and write.search(p.read_text())]
+    assert offenders == []
+    assert write.search((ROOT / "storage" / "deliveries.py").read_text())  # the pattern does find writes

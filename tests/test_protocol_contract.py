@@ -207,7 +207,9 @@ async def test_every_event_type_is_produced_with_its_typed_payload(app: App, ten
         channel = await open_channel(owner, alpha.workspace_id, "events", [bob.member_id, carol.member_id])
         scope = {"scope_id": channel["id"], **ws}
         await b.call("subscribe", scopes=[{"scope_id": channel["id"]}], workspace_feed=True, **ws)
+        await b.call("delivery.subscribe", **ws)
         message = await owner.call("message.send", content="hello", **scope)
+        await owner.call("message.send", content="for bob", recipient_member_ids=[bob.member_id], **scope)
         await owner.call("message.edit", message_id=message["id"], content="edited", expected_revision=1, **ws)
         await owner.call("reaction.add", message_id=message["id"], key="👍", **ws)
         await owner.call("reaction.remove", message_id=message["id"], key="👍", **ws)
