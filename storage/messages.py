@@ -211,19 +211,16 @@ async def _private_history(conn: asyncpg.Connection, workspace_id: str, viewer: 
     that index.  The readable predicate itself then checks the merged page:
     a row it refuses is left out (fail closed) and logged, never shown."""
     forward = after_seq is not None
-    # Read off the (scope_id, seq) key: the global seq of the nearest message.
-    bound = await conn.fetchval(
-        "SELECT workspace_global_seq FROM scope_messages WHERE scope_id = $1 AND seq <= $2 ORDER BY seq DESC LIMIT 1"
-        if forward else
-        "SELECT workspace_global_seq FROM scope_messages WHERE scope_id = $1 AND seq >= $2 ORDER BY seq LIMIT 1",
-        scope_id, after_seq if forward else (before_seq if before_seq is not None else 2**62),
-    )
+    # The page bound as a global seq: that of the nearest message, read off the
+    # (scope_id, seq) key once (an InitPlan of the one statement below).
     if forward:
-        page_bound, order = "m.workspace_global_seq > coalesce($7::bigint, 0)", "ASC"
+        bound = ("(SELECT b.workspace_global_seq FROM scope_messages b WHERE b.scope_id = $3 AND b.seq <= $7 "
+                 "ORDER BY b.seq DESC LIMIT 1)")
+        page_bound, order = f"m.workspace_global_seq > coalesce({bound}, 0)", "ASC"
     else:
-        page_bound, order = "($7::bigint IS NULL OR m.workspace_global_seq < $7::bigint)", "DESC"
-    # Plus what its owner shared from here (source_ref): explicit, so few.
-    quoted = await visibility.quoted_sources_in_scope(conn, scope_id, viewer)
+        bound = ("(SELECT b.workspace_global_seq FROM scope_messages b WHERE b.scope_id = $3 AND b.seq >= $7 "
+                 "ORDER BY b.seq LIMIT 1)")
+        page_bound, order = f"({bound} IS NULL OR m.workspace_global_seq < {bound})", "DESC"
     windows = list(zip(*reader.windows)) or [(), (), (), (), (), ()]
     in_interval = ("EXISTS (SELECT 1 FROM unnest($10::bigint[], $11::bigint[]) AS iv(lo, hi) "
                    "WHERE m.seq >= iv.lo AND (iv.hi IS NULL OR m.seq <= iv.hi))")
@@ -243,14 +240,16 @@ async def _private_history(conn: asyncpg.Connection, workspace_id: str, viewer: 
         f"ORDER BY m.workspace_global_seq {order} LIMIT $8) by_window "
         f"UNION ALL (SELECT {_MESSAGE_COLUMNS}, m.workspace_id FROM scope_messages m "
         f"WHERE m.scope_id = $3 AND m.workspace_id = $1 "
-        f"AND m.id = ANY($15::text[]) AND {page_bound} ORDER BY m.workspace_global_seq {order} LIMIT $8)"
+        f"AND m.id IN ({visibility.quoted_sources_sql('$3', '$2')}) AND {page_bound} "
+        f"ORDER BY m.workspace_global_seq {order} LIMIT $8)"
         f") candidate ORDER BY candidate.seq {order} LIMIT $8"
         f") page LEFT JOIN LATERAL (SELECT split_part(v.value, ':', 1) AS visibility_reason, "
         f"nullif(split_part(v.value, ':', 2), '') AS grant_id FROM (SELECT "
         f"{message_visibility_sql('page', '$2')} AS value) v) vis ON true ORDER BY page.seq {order}",
-        workspace_id, viewer, scope_id, list(windows[0]), list(windows[1]), list(windows[2]), bound, limit + 1,
+        workspace_id, viewer, scope_id, list(windows[0]), list(windows[1]), list(windows[2]),
+        after_seq if forward else (before_seq if before_seq is not None else 2**62), limit + 1,
         reader.floor, [lo for lo, _ in reader.intervals], [hi for _, hi in reader.intervals], list(windows[3]),
-        list(windows[4]), list(windows[5]), quoted,
+        list(windows[4]), list(windows[5]),
     )
     refused = [r["id"] for r in rows if r["visibility_reason"] is None]
     if refused:

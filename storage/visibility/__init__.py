@@ -32,14 +32,14 @@ from storage.visibility.predicate import (
     message_visibility_sql,
     ReaderWindows,
     private_reader_windows,
-    quoted_sources_in_scope,
+    quoted_sources_sql,
     readable_join,
     scope_readable_sql,
 )
 
 __all__ = [
     "ENTITLED_MEMBERSHIPS", "entitled_for_message", "entitled_roster", "explain_message", "fetch_custom_plan",
-    "message_readable_sql", "message_visibility_sql", "ReaderWindows", "private_reader_windows", "quoted_sources_in_scope", "readable_join", "roster_entries", "scope_authority",
+    "message_readable_sql", "message_visibility_sql", "ReaderWindows", "private_reader_windows", "quoted_sources_sql", "readable_join", "roster_entries", "scope_authority",
     "scope_members", "scope_readable_sql", "typing_audience", "viewer_membership",
 ]
 

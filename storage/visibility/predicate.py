@@ -262,32 +262,32 @@ async def private_reader_windows(conn: asyncpg.Connection, scope_id: str, viewer
                          p.expires_at, NULL, NULL
           FROM scope_executions e JOIN task_scope_participant_metadata p ON p.owner_scope_execution_id = e.id, reader
          WHERE e.scope_id IN (SELECT id FROM chain) AND e.owner_member_id = reader.owner
+        -- Within a scope seq order is global-seq order: the floor is the global seq of the
+        -- first message of the first interval, read off the (scope_id, seq) key.
+        UNION ALL SELECT 'floor', NULL, (SELECT f.workspace_global_seq FROM scope_messages f WHERE f.scope_id = $1
+                 AND f.seq >= (SELECT min(fv.effective_from_seq) FROM scope_memberships fv
+                               WHERE fv.scope_id = $1 AND fv.member_id = $2) ORDER BY f.seq LIMIT 1),
+               NULL, NULL, NULL, NULL FROM reader
         """,
         scope_id, viewer,
     )
     intervals = [(r["lo_s"], r["hi_s"]) for r in rows if r["kind"] == "interval"]
     if not intervals:
         return None
-    # Within a scope seq order is global-seq order: the first message of the first
-    # interval, read off the (scope_id, seq) key.
-    floor = await conn.fetchval(
-        "SELECT workspace_global_seq FROM scope_messages WHERE scope_id = $1 AND seq >= $2 ORDER BY seq LIMIT 1",
-        scope_id, min(lo for lo, _ in intervals))
+    floor = next((r["lo_g"] for r in rows if r["kind"] == "floor"), None)
     windows = [(r["author"], r["lo_g"], r["hi_g"], r["expires_at"], r["lo_s"], r["hi_s"])
-               for r in rows if r["kind"] != "interval"]
+               for r in rows if r["kind"] not in ("interval", "floor")]
     return ReaderWindows(intervals, windows, floor if floor is not None else 2**62)
 
 
-async def quoted_sources_in_scope(conn: asyncpg.Connection, scope_id: str, viewer: str) -> list[str]:
-    """Messages of the scope a private agent reads as 'source_ref': those its owner
-    quoted (owner_quote) somewhere the agent reads the quote.  Explicit shares only,
-    so the list stays short; history merges them with the per-author pages."""
-    rows = await conn.fetch(
-        f"SELECT DISTINCT src.source_message_id FROM members vm JOIN scope_message_sources src "
-        f"ON src.workspace_id = vm.workspace_id AND src.source_kind = 'owner_quote' AND src.source_scope_id = $1 "
-        f"JOIN scope_messages q ON q.scope_id = src.target_scope_id AND q.id = src.message_id "
-        f"AND q.author_member_id = vm.owner_member_id "
-        f"WHERE vm.id = $2 AND vm.kind = 'agent' AND vm.visibility = 'private' AND {_in_interval('vm.id', 'q')}",
-        scope_id, viewer,
-    )
-    return [r["source_message_id"] for r in rows]
+def quoted_sources_sql(scope_id: str, viewer: str) -> str:
+    """SQL selecting the messages of scope `scope_id` a private agent `viewer` reads as
+    'source_ref': those its owner quoted (owner_quote) somewhere the agent reads the
+    quote.  Explicit shares only, so the list stays short; history merges them with
+    the per-author pages."""
+    return (f"SELECT src.source_message_id FROM members vm JOIN scope_message_sources src "
+            f"ON src.workspace_id = vm.workspace_id AND src.source_kind = 'owner_quote' "
+            f"AND src.source_scope_id = {scope_id} "
+            f"JOIN scope_messages q ON q.scope_id = src.target_scope_id AND q.id = src.message_id "
+            f"AND q.author_member_id = vm.owner_member_id WHERE vm.id = {viewer} AND vm.kind = 'agent' "
+            f"AND vm.visibility = 'private' AND {_in_interval('vm.id', 'q')}")
