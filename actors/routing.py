@@ -10,7 +10,7 @@ from datetime import datetime
 
 from domain.authority import ScopeAuthority, wake_authority
 from domain.plan import RosterEntry
-from domain.routing import AUTO_WAKE, REACTION, SILENCED_STATES, UNPUSHED_STATES, Route
+from domain.routing import AUTO_WAKE, DIRECT, REACTION, SILENCED_STATES, UNPUSHED_STATES, Route
 
 # Policy reasons (actors/policy.py can_address) that name no private authority.
 _MEMBER_REASONS = frozenset({"member", "thread_admission"})
@@ -28,6 +28,27 @@ def addressed(author: str, member_id: str, how: str, policy_reason: str,
         return None, state
     authority = "member" if policy_reason in _MEMBER_REASONS else policy_reason
     return Route(member_id, how, authority, push=state not in UNPUSHED_STATES), "routed"
+
+
+def direct(author: str, author_entry: RosterEntry | None, others: list[RosterEntry], authority: ScopeAuthority,
+           now: datetime | None) -> list[Route]:
+    """A DM message is addressed to the DM's other member, whatever its author's
+    kind: it routes to them (a private agent only when the author may wake it),
+    as the recipient's notification state allows."""
+    routes = []
+    for entry in others:
+        if entry.member_id == author or entry.notification_state in SILENCED_STATES:
+            continue
+        authority_reason = "member"
+        if entry.visibility == "private":
+            found = (wake_authority(author, author_entry, entry.owner_member_id, authority, now)
+                     if entry.owner_member_id is not None and now is not None else None)
+            if found is None:
+                continue
+            authority_reason = found[0]
+        routes.append(Route(entry.member_id, DIRECT, authority_reason,
+                            push=entry.notification_state not in UNPUSHED_STATES))
+    return routes
 
 
 def auto_wake(author: str, author_entry: RosterEntry | None, candidates: list[RosterEntry], private_readers,

@@ -615,6 +615,13 @@ class ScopeActor:
                 continue
             routes = list(plan.routes)
             routed = {r.member_id for r in routes}
+            if state.type == "dm":
+                others = [e for e in state.roster.values() if e.member_id not in routed]
+                if any(e.visibility == "private" for e in others):
+                    now = now or await messages.transaction_time(conn)
+                routes += routing.direct(message.author_member_id, state.roster.get(message.author_member_id),
+                                         others, self.authority, now)
+                routed = {r.member_id for r in routes}
             candidates = [e for e in self._auto_wake if e.member_id not in routed]
             if candidates:
                 readers: Any = ()

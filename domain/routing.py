@@ -14,6 +14,7 @@ MENTION = "mention"
 RECIPIENT = "recipient"
 AUTO_WAKE = "auto_wake"
 REACTION = "reaction"
+DIRECT = "direct"  # a message in a DM is addressed to the DM's other member
 
 # Notification states (scope-model.md §2.3, §3.4) and what they do to routing.
 SILENCED_STATES = frozenset({"mute", "no-wake"})  # no delivery at all

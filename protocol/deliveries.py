@@ -18,7 +18,7 @@ import msgspec
 from protocol.frames import MessageInfo, Ok, Request, WorkspaceRequest
 
 DeliverySeq = Annotated[int, msgspec.Meta(ge=1, le=2**53)]
-DeliveryReason = Literal["mention", "recipient", "auto_wake", "reaction"]
+DeliveryReason = Literal["mention", "recipient", "direct", "auto_wake", "reaction"]
 DeliveryStatus = Literal["pending", "leased", "acked", "suppressed", "expired", "failed"]
 
 

@@ -983,7 +983,7 @@ member_delivery_feeds = introduced_in(3, Table(
 ))
 
 DELIVERY_STATUSES = ("pending", "leased", "acked", "suppressed", "expired", "failed")
-DELIVERY_REASONS = ("mention", "recipient", "auto_wake", "reaction")
+DELIVERY_REASONS = ("mention", "recipient", "direct", "auto_wake", "reaction")
 
 # The sparse delivery ledger (collaborator-policy §5): one row per recipient of a
 # wake only — mentions, explicit recipients, auto-wake, reactions — never per
