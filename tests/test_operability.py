@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from client import ClientError, connect
 from server.config import ServerConfig
 from server.logs import JsonFormatter
-from tests.conftest import App
+from tests.conftest import App, add_person
 from tests.test_messaging import open_channel
 from tests.test_tenancy import signed_in
 
@@ -129,6 +129,27 @@ async def test_metrics_move_when_commands_run(app: App, tenants):
     assert value(during, "scopewire_actors_active") >= 1
     assert value(during, "scopewire_outbox_backlog") >= 0  # the database answered: present
     assert value(during, "scopewire_db_pool_max") == app.db.settings.max_size
+
+
+async def test_routed_delivery_metrics_count_handouts_suppressions_and_feeds(app: App, tenants,
+                                                                              member_password_hash):
+    alpha, _ = tenants
+    ws = {"workspace_id": alpha.workspace_id}
+    bob = await add_person(app.db, alpha.workspace_id, "bob@example.com", "developer", member_password_hash)
+    async with await signed_in(app, alpha.owner) as owner, await signed_in(app, bob) as b:
+        scope = {"scope_id": (await open_channel(owner, alpha.workspace_id, "routed", [bob.member_id]))["id"], **ws}
+        withdrawn = await owner.call("message.send", content="never mind", recipient_member_ids=[bob.member_id],
+                                     **scope)
+        await owner.call("message.withdraw", message_id=withdrawn["id"], **ws)
+        await b.call("delivery.subscribe", **ws)
+        await owner.call("message.send", content="for you", recipient_member_ids=[bob.member_id], **scope)
+        with trio.fail_after(30):
+            event = await b.next_event()
+        assert event["data"]["message"]["content"] == "for you"  # the withdrawn one never came
+        during = await scrape(app.server.port)
+    assert value(during, "scopewire_routed_deliveries_handed_out_total") == 1
+    assert value(during, "scopewire_routed_deliveries_suppressed_total") == 1
+    assert value(during, "scopewire_routed_feed_subscriptions") == 1
 
 
 async def test_readyz_turns_503_while_the_database_is_unreachable_and_back(app: App, pg_cluster, database_dsn):
