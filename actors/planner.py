@@ -117,6 +117,14 @@ def plan_message(intent: MessageIntent, actor: ActorContext, scope: ScopeContext
                 # One answer whatever the cause: it reveals nothing about grants.
                 raise PlanRefused(policy.deny("recipient_not_addressable"))
             recipients.append(member_id)
+    if scope.type == "dm" and not intent.silent:
+        # A DM message is addressed to the DM's other member (domain/routing.py DIRECT).
+        for route, why in routing.direct(actor.member_id, actor.member_kind, scope.roster.get(actor.member_id),
+                                         [e for m, e in scope.roster.items() if m not in routes], authority, now):
+            if route is not None:
+                routes[route.member_id] = route
+            else:
+                explain.append(Explain(why[0], f"route:{why[1]}", False))
     if intent.message_type == "owner_quote" and actor.member_kind == "human":
         executions.setdefault(actor.member_id, "owner_quote")
     outbox = () if intent.silent else (

@@ -30,25 +30,34 @@ def addressed(author: str, member_id: str, how: str, policy_reason: str,
     return Route(member_id, how, authority, push=state not in UNPUSHED_STATES), "routed"
 
 
-def direct(author: str, author_entry: RosterEntry | None, others: list[RosterEntry], authority: ScopeAuthority,
-           now: datetime | None) -> list[Route]:
-    """A DM message is addressed to the DM's other member, whatever its author's
-    kind: it routes to them (a private agent only when the author may wake it),
-    as the recipient's notification state allows."""
-    routes = []
+def direct(author: str, author_kind: str, author_entry: RosterEntry | None, others: list[RosterEntry],
+           authority: ScopeAuthority, now: datetime | None) -> list[tuple[Route | None, tuple[str, str]]]:
+    """A DM message is addressed to the DM's other member: each one's route, or
+    None and (member, why not).  An agent is woken only by a human's message (two
+    agents in a DM cannot wake each other forever: they mention each other to
+    do that), a private agent only by someone who may wake it; a human is told
+    of every message.  The recipient's notification state decides as for a mention."""
+    decided: list[tuple[Route | None, tuple[str, str]]] = []
     for entry in others:
-        if entry.member_id == author or entry.notification_state in SILENCED_STATES:
+        if entry.member_id == author:
+            continue
+        if entry.notification_state in SILENCED_STATES:
+            decided.append((None, (entry.member_id, entry.notification_state)))
+            continue
+        if entry.kind == "agent" and author_kind != "human":
+            decided.append((None, (entry.member_id, "agent_author")))
             continue
         authority_reason = "member"
         if entry.visibility == "private":
             found = (wake_authority(author, author_entry, entry.owner_member_id, authority, now)
                      if entry.owner_member_id is not None and now is not None else None)
             if found is None:
+                decided.append((None, (entry.member_id, "private_agent_without_authority")))
                 continue
             authority_reason = found[0]
-        routes.append(Route(entry.member_id, DIRECT, authority_reason,
-                            push=entry.notification_state not in UNPUSHED_STATES))
-    return routes
+        decided.append((Route(entry.member_id, DIRECT, authority_reason,
+                              push=entry.notification_state not in UNPUSHED_STATES), (entry.member_id, "routed")))
+    return decided
 
 
 def auto_wake(author: str, author_entry: RosterEntry | None, candidates: list[RosterEntry], private_readers,

@@ -534,7 +534,9 @@ class ScopeActor:
         recipient_ids = sorted({r for _, c in sends for r in c.intent.recipients})
         candidates = await messages.mention_candidates(conn, state.workspace_id, handles, recipient_ids)
         await self._refresh_parent(conn)
-        now = await messages.transaction_time(conn) if candidates and self._private_readers_here() else None
+        # A private agent's authority is windowed by time: read now() only when one may be addressed.
+        now = (await messages.transaction_time(conn)
+               if self._private_readers_here() and (candidates or state.type == "dm") else None)
         plans: list[tuple[int, MessagePlan]] = []
         for index, command in sends:
             try:
@@ -615,13 +617,6 @@ class ScopeActor:
                 continue
             routes = list(plan.routes)
             routed = {r.member_id for r in routes}
-            if state.type == "dm":
-                others = [e for e in state.roster.values() if e.member_id not in routed]
-                if any(e.visibility == "private" for e in others):
-                    now = now or await messages.transaction_time(conn)
-                routes += routing.direct(message.author_member_id, state.roster.get(message.author_member_id),
-                                         others, self.authority, now)
-                routed = {r.member_id for r in routes}
             candidates = [e for e in self._auto_wake if e.member_id not in routed]
             if candidates:
                 readers: Any = ()

@@ -104,6 +104,10 @@ class Connection:
         await self.ws.send(server_frame(encode(frame, binary=binary), binary=binary))
 
 
+def _identity(principal: Principal) -> tuple:
+    return principal.kind, principal.account_id, principal.key_member_id
+
+
 class ConnectionRegistry:
     """Live authenticated connections, indexed by what can revoke them."""
 
@@ -441,6 +445,12 @@ class Server:
 
     def authenticated(self, connection: Connection, principal: Principal, expires_at: float | None) -> None:
         if connection.principal is not None:
+            if _identity(connection.principal) != _identity(principal):
+                # Signed in as someone else: nothing the previous identity followed may reach it.
+                if connection.push is not None:
+                    connection.push.stop()
+                    connection.push = None
+                release_feeds(self, connection)
             self.connections.remove(connection)
             self.connections.add(connection)
         else:

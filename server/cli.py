@@ -132,7 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve" and (args.delivery_lease_seconds < 1 or args.delivery_retention_hours <= 0):
+        parser.error("--delivery-lease-seconds must be at least 1 and --delivery-retention-hours positive")
     logs.configure(getattr(args, "log_level", "warning"))
     if args.command == "status":
         try:

@@ -36,7 +36,6 @@ class RouteSet:
     routes: tuple[Route, ...]
     message_id: str | None = None             # the message (for a reaction: the message reacted to)
     activity_event_id: str | None = None      # set for a non-message activity
-    explain: tuple[tuple[str, str], ...] = ()  # (member, reason) of members deliberately not routed
 
 
 async def write_routes(conn: asyncpg.Connection, workspace_id: str, scope_id: str, sets: Sequence[RouteSet],
@@ -75,7 +74,7 @@ async def write_routes(conn: asyncpg.Connection, workspace_id: str, scope_id: st
             delivery_rows.append((new_id("dlv"), route.member_id, seq, outbox_id, route_set.message_id, activity,
                                   route.reason, route.authority, key, route.push))
             recipients.append([route.member_id, route.reason, route.authority, seq, route.push])
-        payload = {"recipients": recipients, "not_routed": [list(e) for e in route_set.explain]}
+        payload = {"recipients": recipients}
         outbox_rows.append((outbox_id, route_set.message_id, ref_type, ref_id, policy.value,
                             f"routed:{ref_id}", json.dumps(payload),
                             0 if activity else applier.INLINE_GRACE_SECONDS))
@@ -111,18 +110,21 @@ def routed_from_row(row: asyncpg.Record) -> RoutedDelivery:
 async def lease(conn: asyncpg.Connection, delivery_ids: list[str], owners: list[str], now: datetime,
                 lease_seconds: float) -> list[asyncpg.Record]:
     """Lease each of `delivery_ids` to its owner in `owners` (a connection) when it
-    is free (pending, or leased with an expired lease); a delivery handed out
-    max_attempts times without an ack fails instead.  Returns the leased rows."""
+    is free (pending, or leased with an expired lease).  A delivery whose lease
+    ran out unacked max_attempts times fails instead (poison protection; a
+    connection that closed released its leases, which does not count).
+    Returns the leased rows."""
     await conn.execute(
         "UPDATE scope_targeted_deliveries SET status = 'failed', suppressed_at = $2, "
         "suppression_reason = 'max_attempts', lease_owner = NULL, lease_expires_at = NULL "
-        "WHERE id = ANY($1::text[]) AND attempts >= max_attempts "
-        "AND (status = 'pending' OR (status = 'leased' AND lease_expires_at <= $2))",
+        "WHERE id = ANY($1::text[]) AND status = 'leased' AND lease_expires_at <= $2 "
+        "AND lease_expiries + 1 >= max_attempts",
         delivery_ids, now,
     )
     return await conn.fetch(
         "UPDATE scope_targeted_deliveries d SET status = 'leased', lease_owner = t.owner, lease_expires_at = $4, "
-        "attempts = attempts + 1 FROM unnest($1::text[], $2::text[]) AS t(id, owner) WHERE d.id = t.id "
+        "attempts = d.attempts + 1, lease_expiries = d.lease_expiries + (d.status = 'leased')::int "
+        "FROM unnest($1::text[], $2::text[]) AS t(id, owner) WHERE d.id = t.id "
         "AND (d.status = 'pending' OR (d.status = 'leased' AND d.lease_expires_at <= $3)) RETURNING d.*",
         delivery_ids, owners, now, now + timedelta(seconds=lease_seconds),
     )
@@ -161,18 +163,18 @@ async def release(conn: asyncpg.Connection, workspace_id: str, member_id: str, o
     )
 
 
-async def free_unacked(conn: asyncpg.Connection, feeds: list[tuple[str, str]], now: datetime,
-                       limit: int) -> list[asyncpg.Record]:
-    """The pushable deliveries of these (workspace, member) feeds that nobody
-    holds — pending, or leased by a lease that expired — oldest first per feed.
-    A lease held by a connection of another process is left alone until it
-    expires, so two processes never hand one delivery out at once."""
+async def free_unacked(conn: asyncpg.Connection, feeds: list[tuple[str, str, int]],
+                       now: datetime) -> list[asyncpg.Record]:
+    """The pushable deliveries of these (workspace, member, at most) feeds that
+    nobody holds — pending, or leased by a lease that expired — oldest first per
+    feed.  A lease held by a connection of another process is left alone until
+    it expires, so two processes never hand one delivery out at once."""
     return await conn.fetch(
-        "SELECT d.* FROM unnest($1::text[], $2::text[]) AS f(w, m) CROSS JOIN LATERAL ("
+        "SELECT d.* FROM unnest($1::text[], $2::text[], $3::int[]) AS f(w, m, n) CROSS JOIN LATERAL ("
         " SELECT * FROM scope_targeted_deliveries WHERE workspace_id = f.w AND recipient_member_id = f.m "
-        " AND status IN ('pending', 'leased') AND push AND (status = 'pending' OR lease_expires_at <= $3) "
-        " ORDER BY delivery_seq LIMIT $4) d",
-        [w for w, _ in feeds], [m for _, m in feeds], now, limit,
+        " AND status IN ('pending', 'leased') AND push AND (status = 'pending' OR lease_expires_at <= $4) "
+        " ORDER BY delivery_seq LIMIT f.n) d",
+        [w for w, _, _ in feeds], [m for _, m, _ in feeds], [n for _, _, n in feeds], now,
     )
 
 
@@ -192,11 +194,11 @@ async def outbox_deliveries(conn: asyncpg.Connection, outbox_id: str) -> list[as
 
 
 async def feed_state(conn: asyncpg.Connection, workspace_id: str, member_id: str) -> tuple[int, int]:
-    """(latest delivery_seq, unacked count) of the member's feed."""
+    """(latest delivery_seq, count of pushable unacked deliveries) of the member's feed."""
     row = await conn.fetchrow(
         "SELECT coalesce((SELECT latest_delivery_seq FROM member_delivery_feeds WHERE workspace_id = $1 "
         "AND member_id = $2), 0) AS latest, (SELECT count(*) FROM scope_targeted_deliveries WHERE workspace_id = $1 "
-        "AND recipient_member_id = $2 AND status IN ('pending', 'leased')) AS unacked",
+        "AND recipient_member_id = $2 AND status IN ('pending', 'leased') AND push) AS unacked",
         workspace_id, member_id,
     )
     return row["latest"], row["unacked"]

@@ -1004,7 +1004,10 @@ scope_targeted_deliveries = introduced_in(3, Table(
         Column("dedupe_key", "text"),
         Column("push", "boolean"),
         Column("status", "text", default="'pending'"),
-        Column("attempts", "integer", default="0"),
+        Column("attempts", "integer", default="0"),  # handouts
+        # Handouts whose lease ran out unacked on an open connection (a connection
+        # that closes gives its deliveries back without counting): at max_attempts it fails.
+        Column("lease_expiries", "integer", default="0"),
         Column("max_attempts", "integer", default="10"),
         Column("lease_owner", "text", nullable=True),
         Column("lease_expires_at", TS, nullable=True),
@@ -1024,7 +1027,7 @@ scope_targeted_deliveries = introduced_in(3, Table(
         enum_check("scope_targeted_deliveries", "reason", DELIVERY_REASONS),
         Check("scope_targeted_deliveries_seq_positive", "delivery_seq >= 1"),
         Check("scope_targeted_deliveries_source", "message_id IS NOT NULL OR activity_event_id IS NOT NULL"),
-        Check("scope_targeted_deliveries_attempts", "attempts >= 0 AND max_attempts >= 1"),
+        Check("scope_targeted_deliveries_attempts", "attempts >= 0 AND lease_expiries >= 0 AND max_attempts >= 1"),
         Check("scope_targeted_deliveries_lease_state",
               "(status = 'leased') = (lease_owner IS NOT NULL AND lease_expires_at IS NOT NULL)"),
         Check("scope_targeted_deliveries_acked_state", "(status = 'acked') = (acked_at IS NOT NULL)"),
@@ -1043,9 +1046,10 @@ scope_targeted_deliveries = introduced_in(3, Table(
                   ("workspace_id", "member_id"), "feed"),
     ),
     indexes=(
-        # A subscribe's replay and the lease sweep: a recipient's unacked deliveries in seq order.
+        # A subscribe's replay and the lease sweep: a recipient's unacked pushable deliveries in
+        # seq order (quiet ones wait for an ack or expiry and are never handed out).
         Index("scope_targeted_deliveries_unacked_idx", "workspace_id, recipient_member_id, delivery_seq",
-              where="status IN ('pending', 'leased')"),
+              where="status IN ('pending', 'leased') AND push"),
         Index("scope_targeted_deliveries_outbox_idx", "outbox_id"),
         Index("scope_targeted_deliveries_activity_idx", "activity_event_id", where="activity_event_id IS NOT NULL"),
         Index("scope_targeted_deliveries_message_idx", "scope_id, message_id", where="message_id IS NOT NULL"),

@@ -86,9 +86,7 @@ async def ack(server: Server, connection: Connection, request: d.DeliveryAck, ct
     seqs = sorted(set(request.delivery_seqs))
     acked = await server.db.transaction(deliveries.ack, workspace.workspace_id, workspace.member_id, seqs,
                                         server.deliveries.clock())
-    subscription = connection.delivery_feeds.get(workspace.workspace_id)
-    if subscription is not None:
-        server.deliveries.acked(subscription, seqs)
+    server.deliveries.acked(workspace.workspace_id, workspace.member_id, acked)
     return d.DeliveryAcked(acked=acked)
 
 
@@ -112,10 +110,11 @@ async def list_feed(server: Server, connection: Connection, request: d.DeliveryL
                                 sorted({r["message_id"] for r in rows if r["message_id"]}))
     activity_ids = sorted({r["activity_event_id"] for r in rows if r["activity_event_id"]})
     activities = await server.db.run(deliveries.activity_events, activity_ids) if activity_ids else {}
+    # What you no longer read shows as the bare delivery: no message, nor who reacted to it.
     return d.DeliveryPage(
-        deliveries=[delivery_info(r, messages.committed_from_row(found[r["message_id"]])
-                                  if r["message_id"] in found else None, activities.get(r["activity_event_id"]))
-                    for r in rows],
+        deliveries=[delivery_info(r, messages.committed_from_row(found[r["message_id"]]),
+                                  activities.get(r["activity_event_id"])) if r["message_id"] in found
+                    else delivery_info(r) for r in rows],
         next_after_seq=rows[-1]["delivery_seq"] if more else None)
 
 
