@@ -5,6 +5,10 @@ last `seq` it delivered (and the last `global_seq` of the workspace feed).
 After a drop it reconnects with backoff, re-authenticates and re-subscribes
 with those cursors, so the server replays exactly what was missed; anything
 at or below a cursor is dropped here as a second line of defence.
+
+Routed deliveries (`follow_deliveries`) resume differently: the server keeps
+each member's unacked deliveries and hands them out again on every
+`delivery.subscribe`, so the client needs no cursor, only to ack.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ class ResumingClient:
         self._connected = trio.Event()
         self.reconnects = 0
         self.identity: dict = {}
+        self.delivery_max_in_flight: int | None = None
+        self.delivery_feed: dict = {}  # the last `delivery.subscribe` result
 
     def follow(self, scope_id: str, after_seq: int | None = None) -> None:
         self.cursors.scopes[scope_id] = after_seq
@@ -45,6 +51,23 @@ class ResumingClient:
     def follow_workspace(self, after_global_seq: int | None = None) -> None:
         self.cursors.workspace_feed = True
         self.cursors.global_seq = after_global_seq
+
+    def follow_deliveries(self, max_in_flight: int = 100) -> None:
+        """Subscribe to this member's routed feed on every (re)connect: `delivery`
+        events (mentions, explicit recipients, DM messages, auto-wake, reactions)
+        arrive in the `running()` stream like any other event.
+
+        Delivery is at least once: a delivery not acked is handed out again after
+        a reconnect, a server restart or its lease's expiry, possibly after later
+        ones.  Handle each one idempotently — dedupe by `data["dedupe_key"]` — and
+        `ack` it only after handling it; an acked delivery is never sent again.
+        At most `max_in_flight` unacked deliveries are outstanding at once."""
+        self.delivery_max_in_flight = max_in_flight
+
+    async def ack(self, delivery_seqs: list[int]) -> list[int]:
+        """Ack handled deliveries by `delivery_seq`; returns those acked by this call
+        (already acked or unknown ones are left out: acking again is harmless)."""
+        return (await self.call("delivery.ack", delivery_seqs=list(delivery_seqs)))["acked"]
 
     @property
     def global_cursor(self) -> int | None:
@@ -115,4 +138,7 @@ class ResumingClient:
             if self.cursors.scopes or self.cursors.workspace_feed:
                 self.cursors.started(await connection.call("subscribe", workspace_id=self.workspace_id,
                                                            **self.cursors.subscribe_fields()))
+            if self.delivery_max_in_flight is not None:
+                self.delivery_feed = await connection.call("delivery.subscribe", workspace_id=self.workspace_id,
+                                                           max_in_flight=self.delivery_max_in_flight)
             yield connection

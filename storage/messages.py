@@ -218,9 +218,10 @@ async def _private_history(conn: asyncpg.Connection, workspace_id: str, viewer: 
                  "ORDER BY b.seq DESC LIMIT 1)")
         page_bound, order = f"m.workspace_global_seq > coalesce({bound}, 0)", "ASC"
     else:
-        bound = ("(SELECT b.workspace_global_seq FROM scope_messages b WHERE b.scope_id = $3 AND b.seq >= $7 "
-                 "ORDER BY b.seq LIMIT 1)")
-        page_bound, order = f"({bound} IS NULL OR m.workspace_global_seq < {bound})", "DESC"
+        # Bounded from below the cursor: a message committing meanwhile above it can never widen the page.
+        bound = ("(SELECT b.workspace_global_seq + 1 FROM scope_messages b WHERE b.scope_id = $3 AND b.seq < $7 "
+                 "ORDER BY b.seq DESC LIMIT 1)")
+        page_bound, order = f"m.workspace_global_seq < coalesce({bound}, 0)", "DESC"
     windows = list(zip(*reader.windows)) or [(), (), (), (), (), ()]
     in_interval = ("EXISTS (SELECT 1 FROM unnest($10::bigint[], $11::bigint[]) AS iv(lo, hi) "
                    "WHERE m.seq >= iv.lo AND (iv.hi IS NULL OR m.seq <= iv.hi))")
