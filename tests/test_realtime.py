@@ -296,7 +296,10 @@ async def test_a_database_failure_during_a_replay_closes_unavailable_not_slow_co
                                                                                      database_dsn):
     alpha, _ = tenants
     ws = {"workspace_id": alpha.workspace_id}
-    replay_query = "wait_event_type = 'Lock' AND query LIKE '%FROM scope_messages m%'"
+    # The replay's first statement (the reader-window probe, a long text that
+    # pg_stat_activity truncates) or its page query, waiting on the locked log.
+    replay_query = ("wait_event_type = 'Lock' AND (query LIKE '%FROM scope_messages m%' "
+                    "OR query LIKE '%WITH reader AS%')")
     async with await signed_in(app, alpha.owner) as owner:
         channel = await open_channel(owner, alpha.workspace_id, "replayed")
         await owner.call("message.send", scope_id=channel["id"], content="missed", **ws)
