@@ -410,6 +410,11 @@ async def test_every_command_probed_across_workspaces_answers_not_found(app: App
             "invitation.revoke": [dict(a, invitation_id=b_invitation["id"]),
                                   dict(b, invitation_id=b_invitation["id"])],
             "apikey.revoke": [dict(a, api_key_id=b_key["id"]), dict(b, api_key_id=b_key["id"])],
+            # The routed delivery feed: Beta's workspace id (the member is always the caller).
+            "delivery.subscribe": [b],
+            "delivery.ack": [dict(b, delivery_seqs=[1])],
+            "delivery.unsubscribe": [b],
+            "delivery.list": [b],
         }
         tenancy_ops = {cls.__struct_config__.tag for cls in frames.CLIENT_FRAMES
                        if issubclass(cls, frames.WorkspaceRequest) and cls not in messaging.HANDLERS
