@@ -204,10 +204,11 @@ class DeliveryRouter:
                     plan.append((subscription, [d.id for d in take]))
             for subscription in self._subscriptions.get(feed, ()):
                 subscription.behind = subscription.behind or bool(waiting)
-        if plan:
-            await self._hand_out(plan)
         outbox_ids = sorted({d.outbox_id for d in offered})
-        await self.db.transaction(applier.settle_delivered, outbox_ids)
+        if plan:
+            await self._hand_out(plan, settle=outbox_ids)  # settled in the handout's transaction
+        else:
+            await self.db.transaction(applier.settle_delivered, outbox_ids)
 
     async def _fill(self, subscriptions: list[FeedSubscription]) -> None:
         """Hand the free deliveries of these subscriptions' feeds out (a subscribe,
@@ -241,9 +242,10 @@ class DeliveryRouter:
         return sorted((s for s in self._subscriptions.get(feed, ()) if s.active and s.room(now)),
                       key=lambda s: -s.room(now))
 
-    async def _hand_out(self, plan: list[tuple[FeedSubscription, list[str]]]) -> None:
+    async def _hand_out(self, plan: list[tuple[FeedSubscription, list[str]]], settle: list[str] = ()) -> None:
+        """Lease and send; `settle`: the outbox rows this handout completes."""
         now = self.clock()
-        leased = await self.db.transaction(self._lease, plan, now)
+        leased = await self.db.transaction(self._lease, plan, now, settle)
         for subscription, handouts in leased:
             if not handouts:
                 continue
@@ -261,8 +263,8 @@ class DeliveryRouter:
                 # Its connection went while the lease was being taken: give them back now.
                 self._work_send.send_nowait(("release", subscription))
 
-    async def _lease(self, conn, plan: list[tuple[FeedSubscription, list[str]]],
-                     now: datetime) -> list[tuple[FeedSubscription, list[Handout]]]:
+    async def _lease(self, conn, plan: list[tuple[FeedSubscription, list[str]]], now: datetime,
+                     settle: list[str]) -> list[tuple[FeedSubscription, list[Handout]]]:
         ids = [i for _, chosen in plan for i in chosen]
         verdicts = await handout_verdicts(conn, ids)
         refused = {i: reason for i, reason in verdicts.items() if reason is not None}
@@ -280,6 +282,8 @@ class DeliveryRouter:
         found = await deliveries.messages_by_id(conn, sorted({r["message_id"] for r in leased_rows if r["message_id"]}))
         activity_ids = sorted({r["activity_event_id"] for r in leased_rows if r["activity_event_id"]})
         activities = await deliveries.activity_events(conn, activity_ids) if activity_ids else {}
+        if settle:
+            await applier.settle_delivered(conn, list(settle))
         return [(subscription, [Handout(row, messages.committed_from_row(found[row["message_id"]]),
                                         activities.get(row["activity_event_id"])) for row in rows])
                 for subscription, rows in result]

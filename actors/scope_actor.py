@@ -241,6 +241,7 @@ class ScopeActor:
         # readable predicate lets them (private agents), rebuilt with the roster.
         self._public_set: frozenset[str] = frozenset()
         self._private_readers: tuple[RosterEntry, ...] = ()
+        self._private_by_id: dict[str, RosterEntry] = {}
         # Members whose notification state here is auto-wake (routing.auto_wake).
         self._auto_wake: list[RosterEntry] = []
         # For a thread: the parent as this actor last read it (admission, inherited authority).
@@ -442,6 +443,7 @@ class ScopeActor:
         roster = self.state.roster if self.state else {}
         self._roster_set = frozenset(roster)
         self._private_readers = tuple(e for e in roster.values() if e.visibility == "private")
+        self._private_by_id = {e.member_id: e for e in self._private_readers}
         self._auto_wake = [e for e in roster.values() if e.notification_state == "auto-wake"]
         self._public_set = (frozenset(m for m, e in roster.items() if e.visibility == "public")
                             if self._private_readers else self._roster_set)
@@ -470,15 +472,17 @@ class ScopeActor:
                           created_at) -> frozenset[str] | MessageAudience:
         if not self._private_readers:
             return self._roster_set
+        # Bound now: a reload replaces these objects, it never changes them.
         roster = self.state.roster if self.state else {}
         parent_roster = self.parent.roster if self.parent is not None else None
-        readers = frozenset(
-            reader.member_id for reader in self._private_readers
+        authority, author_entry = self.authority, roster.get(author)
+
+        def reads(reader: RosterEntry) -> bool:
             # In a thread, only while still a private member of the parent (scope-model §5.2).
-            if (parent_roster is None or reader.member_id in parent_roster)
-            and private_read_reason(reader, author, roster.get(author), self.authority, seq, global_seq,
-                                    created_at) is not None)
-        return MessageAudience(self._public_set, readers) if readers else self._public_set
+            return ((parent_roster is None or reader.member_id in parent_roster)
+                    and private_read_reason(reader, author, author_entry, authority, seq, global_seq,
+                                            created_at) is not None)
+        return MessageAudience(self._public_set, self._private_by_id, reads)
 
     def _publish(self, publication: _Publication) -> None:
         if publication.published:
@@ -837,15 +841,27 @@ def _membership_changed(workspace_id: str, scope_id: str, mutation: MembershipMu
 
 class MessageAudience:
     """The members entitled to one message's events: every public member plus the
-    private agents that may read it (the hub only asks `member in audience`)."""
+    private agents that may read it (the hub only asks `member in audience`).
+    A private agent is judged when first asked about: a message costs the readers
+    that follow it, not every private agent of a big scope."""
 
-    __slots__ = ("public", "private")
+    __slots__ = ("public", "_private", "_reads", "_decided")
 
-    def __init__(self, public: frozenset[str], private: frozenset[str]) -> None:
-        self.public, self.private = public, private
+    def __init__(self, public: frozenset[str], private: dict[str, RosterEntry],
+                 reads: Callable[[RosterEntry], bool]) -> None:
+        self.public, self._private, self._reads = public, private, reads
+        self._decided: dict[str, bool] = {}
 
     def __contains__(self, member_id: object) -> bool:
-        return member_id in self.public or member_id in self.private
+        if member_id in self.public:
+            return True
+        reader = self._private.get(member_id)  # type: ignore[call-overload]
+        if reader is None:
+            return False
+        verdict = self._decided.get(reader.member_id)
+        if verdict is None:
+            verdict = self._decided[reader.member_id] = self._reads(reader)
+        return verdict
 
 
 # The actor's own commands (Send runs batched in _apply_sends); other domains
