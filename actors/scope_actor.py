@@ -610,10 +610,11 @@ class ScopeActor:
 
     async def _write_routes(self, conn: asyncpg.Connection, state: ScopeContext, fresh: list[tuple[int, MessagePlan]],
                             committed: list[CommittedMessage], outcomes: list[Any]) -> None:
-        """Write the deliveries these messages route: their authorized mentions and
-        recipients (planned), plus the members in auto-wake here, decided now that
-        each message's seq says what a private agent reads.  Nothing for an
-        ordinary message nobody is addressed by or auto-wakes on."""
+        """Write the deliveries these messages route: the planned ones (authorized
+        mentions and recipients, a DM's other member), plus the members in
+        auto-wake here, decided now that each message's seq says what a private
+        agent reads.  Nothing for an ordinary message nobody is addressed by or
+        auto-wakes on."""
         sets: list[tuple[int, deliveries.RouteSet]] = []
         now = None
         for (index, plan), message in zip(fresh, committed):

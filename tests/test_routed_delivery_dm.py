@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 from datetime import timedelta
 
-import pytest
 import trio
 
 from tests.conftest import App
