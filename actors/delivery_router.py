@@ -301,6 +301,12 @@ class DeliveryRouter:
         if holder is not None:
             holder.in_flight.pop(seq, None)
 
+    async def expire_due(self) -> int:
+        """Expire the unacked deliveries older than the retention (one bounded
+        statement on the retention index: nothing to do costs one probe)."""
+        now = self.clock()
+        return await self.db.transaction(deliveries.expire_unacked, now - self.retention, now)
+
     async def _sweep_forever(self) -> None:
         """Expired leases go out again (through the router task, so one delivery is
         never leased twice at once here); old unacked deliveries expire."""
@@ -309,9 +315,7 @@ class DeliveryRouter:
             if self._subscriptions:
                 self._work_send.send_nowait(("sweep", None))
             try:
-                # One bounded statement on the retention index: nothing to do costs one probe.
-                now = self.clock()
-                await self.db.transaction(deliveries.expire_unacked, now - self.retention, now)
+                await self.expire_due()
             except DatabaseUnavailable:
                 log.warning("delivery sweep: database unavailable; retrying")
             except Exception:  # noqa: BLE001 - the sweep must outlive any one pass
