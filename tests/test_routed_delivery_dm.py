@@ -10,6 +10,7 @@ from datetime import timedelta
 from tests.conftest import App
 from tests.test_private_visibility import as_agent, world  # noqa: F401  (world is a fixture)
 from tests.test_routed_delivery import feed, next_delivery, no_deliveries_pushed, router_clock  # noqa: F401
+from tests.test_messaging import open_channel
 from tests.test_tenancy import signed_in
 
 
@@ -64,6 +65,8 @@ async def test_muted_dm_routes_nothing_and_quiet_records_without_push(app: App, 
         loud = await owner.call("message.send", scope_id=dm["id"], content="loud", **ws)
         assert (await next_delivery(b))["data"]["message_id"] == loud["id"]  # the quiet one was never pushed
         assert [(d["message_id"], d["push"]) for d in await feed(b, ws)] == [(quiet["id"], False), (loud["id"], True)]
+        # `unacked` counts what waits to be pushed: the loud one, not the quiet one.
+        assert await b.call("delivery.subscribe", **ws) == {"latest_delivery_seq": 2, "unacked": 1}
 
 
 async def test_unacked_deliveries_expire_after_the_retention(router_clock, app: App, world):  # noqa: F811
@@ -97,3 +100,30 @@ async def test_signing_in_as_someone_else_drops_the_previous_members_feed(app: A
         assert (delivery["message_id"], delivery["attempt"]) == (sent["id"], 1)
         await conn.call("ping")
         assert [e for e in conn.queued_events() if e["event"] == "delivery"] == []
+
+
+async def test_an_edit_that_adds_a_mention_wakes_nobody(app: App, world):  # noqa: F811
+    alpha, bob, _, _, _, _, ws = world
+    async with await signed_in(app, alpha.owner) as owner, await signed_in(app, bob) as b:
+        await b.call("delivery.subscribe", **ws)
+        dm = await owner.call("dm.open", member_id=bob.member_id, **ws)
+        channel = await open_channel(owner, alpha.workspace_id, "edits", [bob.member_id])
+        plain = await owner.call("message.send", scope_id=channel["id"], content="later", **ws)
+        await owner.call("message.edit", message_id=plain["id"], content="later @bob", expected_revision=1, **ws)
+        barrier = await owner.call("message.send", scope_id=dm["id"], content="next", **ws)
+        assert (await next_delivery(b))["data"]["message_id"] == barrier["id"]
+        assert [d["message_id"] for d in await feed(b, ws)] == [barrier["id"]]
+
+
+async def test_the_feed_listing_hides_what_you_no_longer_read(app: App, world):  # noqa: F811
+    alpha, bob, _, _, channel, _, ws = world
+    async with await signed_in(app, alpha.owner) as owner, await signed_in(app, bob) as b:
+        mine = await b.call("message.send", scope_id=channel["id"], content="my idea", **ws)
+        await owner.call("reaction.add", message_id=mine["id"], key="👍", **ws)
+        entry = (await feed(b, ws))[0]  # written with the reaction (the outbox worker only hands it out)
+        assert (entry["reason"], entry["kind"], entry["message"]["content"]) == ("reaction", "activity", "my idea")
+        assert entry["activity"]["actor_member_id"] == alpha.owner.member_id
+        await b.call("scope.leave", scope_id=channel["id"], **ws)
+        hidden = (await feed(b, ws))[0]
+        assert hidden["dedupe_key"] == entry["dedupe_key"]
+        assert hidden.get("message") is None and hidden.get("activity") is None
