@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import platform
 import resource
@@ -71,6 +72,11 @@ def parent_pid(pid: int) -> int | None:
         return int(_stat_fields(f"/proc/{pid}/stat")[1])
     except (OSError, ValueError, IndexError):
         return None
+
+
+def percentile(ordered: list[float], q: float) -> float:
+    """Nearest-rank percentile of an already sorted list."""
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
 def admin(dsn: str, fn: Callable[[asyncpg.Connection], Awaitable[Any]]) -> Any:

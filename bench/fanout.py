@@ -93,6 +93,7 @@ import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
+from collections.abc import Callable  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from typing import Any  # noqa: E402
 from urllib.parse import urlsplit  # noqa: E402
@@ -253,38 +254,30 @@ def _emit(obj: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
-def run_subscribers(args: argparse.Namespace) -> int:
-    _raise_nofile()
-    started = time.monotonic()
-    url = urlsplit(args.url)
-    host, port = url.hostname, url.port
-    keys = args.keys.split(",")
-    scope_id = args.scope_id
-    auth_frames = {k: client_frame(json.dumps({"op": "auth", "id": "a", "api_key": k}).encode()) for k in keys}
-    subscribe_frame = client_frame(json.dumps({"op": "subscribe", "id": "s",
-                                               "scopes": [{"scope_id": scope_id}]}).encode())
+def connect_clients(url: str, entries: list[tuple[str, Any]], make_conn: Callable[[socket.socket, str, Any], Any],
+                    errors: collections.Counter[str]) -> tuple[select.epoll, dict[int, Any]]:
+    """One WebSocket per (api_key, extra) entry: connect + handshake pipelined in batches,
+    `auth` sent right after each handshake.  Returns the epoll and the connections by fd."""
+    parts = urlsplit(url)
+    host, port = parts.hostname, parts.port
+    auth_frames: dict[str, bytes] = {}
     ep = select.epoll()
-    conns: dict[int, _Conn] = {}
-    errors: collections.Counter[str] = collections.Counter()
-    closes: collections.Counter[str] = collections.Counter()
-    counts = collections.Counter()
-
-    # ---- connect + handshake (pipelined in batches) + auth sent right after each handshake
+    conns: dict[int, Any] = {}
     batch = 64
-    for first in range(0, args.count, batch):
+    for first in range(0, len(entries), batch):
         pending = []
-        for i in range(first, min(args.count, first + batch)):
+        for key, extra in entries[first:first + batch]:
             try:
                 s = socket.create_connection((host, port), timeout=30)
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 ws_key = base64.b64encode(os.urandom(16)).decode()
-                s.sendall((f"GET {url.path or '/'} HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\n"
+                s.sendall((f"GET {parts.path or '/'} HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\n"
                            f"Connection: Upgrade\r\nSec-WebSocket-Key: {ws_key}\r\n"
                            f"Sec-WebSocket-Version: 13\r\n\r\n").encode())
-                pending.append((s, keys[(args.index * args.count + i) % len(keys)]))
+                pending.append((s, key, extra))
             except OSError as exc:
                 errors[f"connect: {type(exc).__name__}"] += 1
-        for s, key in pending:
+        for s, key, extra in pending:
             try:
                 data = b""
                 while b"\r\n\r\n" not in data:
@@ -295,58 +288,42 @@ def run_subscribers(args: argparse.Namespace) -> int:
                 head, _, rest = data.partition(b"\r\n\r\n")
                 if not head.startswith(b"HTTP/1.1 101"):
                     raise ConnectionError(head.split(b"\r\n", 1)[0].decode(errors="replace"))
+                if key not in auth_frames:
+                    auth_frames[key] = client_frame(json.dumps({"op": "auth", "id": "a", "api_key": key}).encode())
                 s.sendall(auth_frames[key])
                 s.setblocking(False)
-                c = _Conn(s, key)
+                c = make_conn(s, key, extra)
                 c.buf = rest
                 conns[s.fileno()] = c
                 ep.register(s.fileno(), select.EPOLLIN)
             except OSError as exc:
                 errors[f"handshake: {exc}"[:120]] += 1
                 s.close()
-    counts["connected"] = len(conns)
-    connect_s = time.monotonic() - started
+    return ep, conns
 
+
+def client_loop(ep: select.epoll, conns: dict[int, Any], errors: collections.Counter[str],
+                closes: collections.Counter[str], pings: collections.Counter[str], *, deadline: float,
+                connect_s: float, subscribe_frame: bytes, on_text: Callable[[Any, bytes, int, int, int], None],
+                on_measure: Callable[[list[str]], None], progress: Callable[[], dict[str, Any]],
+                subscribed_fields: Callable[[], dict[str, Any]] = dict,
+                after_read: Callable[[Any], None] | None = None) -> float | None:
+    """The client process's epoll loop until `report`/`quit` on stdin (or EOF, or `deadline`).
+
+    Stdin commands: `subscribe` sends `subscribe_frame` on every authed connection;
+    `measure ...` calls `on_measure(words)` and starts the CPU count.  Emits the `authed`
+    and `subscribed` phases (plus `subscribed_fields()`) once settled, then `progress()`
+    every 0.25 s.  Every text/binary frame goes to `on_text(conn, data, start, end,
+    now_ns)`; pings are answered (counted in `pings`), closes recorded in `closes`;
+    `after_read(conn)` runs after each socket read of an open connection.
+    Returns this process's CPU seconds since `measure` (None without one)."""
     stdin_fd = sys.stdin.fileno()
     os.set_blocking(stdin_fd, False)
     ep.register(stdin_fd, select.EPOLLIN)
     stdin_buf = b""
-
-    # ---- measurement state
-    t0 = 1 << 63  # content sent at/after t0 is measured
-    t1 = 1 << 63
-    measured = 0
-    in_window = 0
-    measured_bytes = 0
-    other_deliveries = 0
-    first_ns = 0
-    last_ns = 0
-    hist: dict[int, int] = {}
-    phase_auth_reported = False
-    phase_sub_reported = False
-    subscribing = False
+    auth_reported = sub_reported = subscribing = False
     last_progress = 0.0
     cpu0 = None
-    deadline = started + args.max_seconds
-
-    def control(c: _Conn, payload: bytes) -> None:
-        try:
-            msg = json.loads(payload)
-        except ValueError:
-            errors["undecodable frame"] += 1
-            return
-        kind, rid = msg.get("type"), msg.get("id")
-        if kind == "result":
-            if rid == "a" and c.state == "authing":
-                c.state = "authed"
-            elif rid == "s" and c.state == "subscribing":
-                c.state = "subscribed"
-        elif kind == "error":
-            errors[f"{rid}: {msg.get('code')}: {msg.get('message', '')[:60]}"] += 1
-            if c.state in ("authing", "subscribing"):
-                c.state = "failed"
-        else:
-            counts["other_frames"] += 1
 
     def drop(fd: int, why: str) -> None:
         c = conns.get(fd)
@@ -366,21 +343,20 @@ def run_subscribers(args: argparse.Namespace) -> int:
         if now_m > deadline:
             errors["worker deadline"] += 1
             break
-        if not phase_auth_reported and settled(("authing",)):
-            phase_auth_reported = True
+        if not auth_reported and settled(("authing",)):
+            auth_reported = True
             _emit({"phase": "authed", "connected": len(conns),
                    "authed": sum(c.state == "authed" for c in conns.values()),
                    "connect_s": round(connect_s, 2), "errors": dict(errors)})
-        if subscribing and not phase_sub_reported and settled(("subscribing",)):
-            phase_sub_reported = True
+        if subscribing and not sub_reported and settled(("subscribing",)):
+            sub_reported = True
             _emit({"phase": "subscribed", "subscribed": sum(c.state == "subscribed" for c in conns.values()),
-                   "errors": dict(errors)})
-        if phase_sub_reported and now_m - last_progress >= 0.25:
+                   **subscribed_fields(), "errors": dict(errors)})
+        if sub_reported and now_m - last_progress >= 0.25:
             last_progress = now_m
-            _emit({"p": measured, "w": other_deliveries})
-        events = ep.poll(0.25)
+            _emit(progress())
         quit_now = False
-        for fd, _ in events:
+        for fd, _ in ep.poll(0.25):
             if fd == stdin_fd:
                 try:
                     chunk = os.read(stdin_fd, 65536)
@@ -405,7 +381,7 @@ def run_subscribers(args: argparse.Namespace) -> int:
                                 except OSError:
                                     c.state = "failed"
                     elif words[0] == "measure":
-                        t0, t1 = int(words[1]), int(words[2])
+                        on_measure(words)
                         cpu0 = os.times()
                     elif words[0] in ("report", "quit"):
                         quit_now = True
@@ -421,7 +397,7 @@ def run_subscribers(args: argparse.Namespace) -> int:
             if not data:
                 drop(fd, "eof")
                 continue
-            now = time.time_ns()  # per read: frames of this read arrived by now
+            now = time.time_ns()  # per read: the frames of this read arrived by now
             if c.buf:
                 data = c.buf + data
             n = len(data)
@@ -445,26 +421,9 @@ def run_subscribers(args: argparse.Namespace) -> int:
                     break
                 op = data[pos] & 0x0F
                 if op == 1 or op == 2:
-                    i = data.find(TS_MARK, start, end)
-                    if i >= 0:
-                        ts = int(data[i + 3:i + 3 + TS_DIGITS])
-                        if ts >= t0:
-                            measured += 1
-                            measured_bytes += ln
-                            if now <= t1:
-                                in_window += 1
-                            if not first_ns:
-                                first_ns = now
-                            last_ns = now
-                            lat = (now - ts) // 1000
-                            key = lat // 10 if lat < 10_000 else 1000 + lat // 1000
-                            hist[key] = hist.get(key, 0) + 1
-                        else:
-                            other_deliveries += 1
-                    else:
-                        control(c, data[start:end])
+                    on_text(c, data, start, end, now)
                 elif op == 9:  # ping -> pong with the same payload
-                    counts["pings"] += 1
+                    pings["pings"] += 1
                     with contextlib.suppress(OSError):
                         c.sock.send(client_frame(data[start:end], 0xA))
                 elif op == 8:
@@ -477,12 +436,106 @@ def run_subscribers(args: argparse.Namespace) -> int:
                     pos = n
                     break
                 pos = end
-            if c.state != "closed":
-                c.buf = data[pos:] if pos < n else b""
+            if c.state == "closed":
+                continue
+            c.buf = data[pos:] if pos < n else b""
+            if after_read is not None:
+                after_read(c)
         if quit_now:
             break
 
     cpu1 = os.times()
+    return round((cpu1.user + cpu1.system) - (cpu0.user + cpu0.system), 3) if cpu0 else None
+
+
+def close_with_reset(conns: dict[int, Any]) -> None:
+    """Close with RST (linger 0): no TIME_WAIT pile-up across runs of thousands of connections."""
+    for c in conns.values():
+        if c.state != "closed":
+            with contextlib.suppress(OSError):
+                c.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+                c.sock.close()
+
+
+def control_frame(c: Any, payload: bytes, errors: collections.Counter[str]) -> dict[str, Any] | None:
+    """A frame that carries no measured message: moves the connection through auth and
+    subscribe, counts errors.  Returns the decoded frame (None when undecodable)."""
+    try:
+        msg = json.loads(payload)
+    except ValueError:
+        errors["undecodable frame"] += 1
+        return None
+    kind, rid = msg.get("type"), msg.get("id")
+    if kind == "result":
+        if rid == "a" and c.state == "authing":
+            c.state = "authed"
+        elif rid == "s" and c.state == "subscribing":
+            c.state = "subscribed"
+    elif kind == "error":
+        errors[f"{rid}: {msg.get('code')}: {msg.get('message', '')[:60]}"] += 1
+        if c.state in ("authing", "subscribing"):
+            c.state = "failed"
+    return msg
+
+
+def run_subscribers(args: argparse.Namespace) -> int:
+    _raise_nofile()
+    started = time.monotonic()
+    keys = args.keys.split(",")
+    subscribe_frame = client_frame(json.dumps({"op": "subscribe", "id": "s",
+                                               "scopes": [{"scope_id": args.scope_id}]}).encode())
+    errors: collections.Counter[str] = collections.Counter()
+    closes: collections.Counter[str] = collections.Counter()
+    counts = collections.Counter()
+    entries = [(keys[(args.index * args.count + i) % len(keys)], None) for i in range(args.count)]
+    ep, conns = connect_clients(args.url, entries, lambda sock, key, _: _Conn(sock, key), errors)
+    counts["connected"] = len(conns)
+    connect_s = time.monotonic() - started
+
+    # ---- measurement state
+    t0 = 1 << 63  # content sent at/after t0 is measured
+    t1 = 1 << 63
+    measured = 0
+    in_window = 0
+    measured_bytes = 0
+    other_deliveries = 0
+    first_ns = 0
+    last_ns = 0
+    hist: dict[int, int] = {}
+
+    def control(c: _Conn, payload: bytes) -> None:
+        msg = control_frame(c, payload, errors)
+        if msg is not None and msg.get("type") not in ("result", "error"):
+            counts["other_frames"] += 1
+
+    def on_text(c: _Conn, data: bytes, start: int, end: int, now: int) -> None:
+        nonlocal measured, in_window, measured_bytes, other_deliveries, first_ns, last_ns
+        i = data.find(TS_MARK, start, end)
+        if i < 0:
+            control(c, data[start:end])
+            return
+        ts = int(data[i + 3:i + 3 + TS_DIGITS])
+        if ts < t0:
+            other_deliveries += 1
+            return
+        measured += 1
+        measured_bytes += end - start
+        if now <= t1:
+            in_window += 1
+        if not first_ns:
+            first_ns = now
+        last_ns = now
+        lat = (now - ts) // 1000
+        key = lat // 10 if lat < 10_000 else 1000 + lat // 1000
+        hist[key] = hist.get(key, 0) + 1
+
+    def on_measure(words: list[str]) -> None:
+        nonlocal t0, t1
+        t0, t1 = int(words[1]), int(words[2])
+
+    cpu_s = client_loop(ep, conns, errors, closes, counts, deadline=started + args.max_seconds,
+                        connect_s=connect_s, subscribe_frame=subscribe_frame, on_text=on_text,
+                        on_measure=on_measure, progress=lambda: {"p": measured, "w": other_deliveries})
     report = {
         "phase": "report",
         "connections": len(conns),
@@ -497,14 +550,9 @@ def run_subscribers(args: argparse.Namespace) -> int:
         "errors": dict(errors),
         "closes": dict(closes),
         "counts": dict(counts),
-        "cpu_s": round((cpu1.user + cpu1.system) - (cpu0.user + cpu0.system), 3) if cpu0 else None,
+        "cpu_s": cpu_s,
     }
-    # Close with RST (linger 0): no TIME_WAIT pile-up across runs of thousands of connections.
-    for c in conns.values():
-        if c.state != "closed":
-            with contextlib.suppress(OSError):
-                c.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
-                c.sock.close()
+    close_with_reset(conns)
     _emit(report)
     return 0
 
@@ -758,6 +806,9 @@ class Sender:
                 else:
                     self.errors[str(msg.get("code"))] += 1
 
+    def content(self, ts_ns: int) -> str:
+        return make_content(ts_ns, self.payload)
+
     async def run(self, rate: float, seconds: float, start_ns: int | None = None) -> dict[str, Any]:
         """Send rate*seconds messages on a fixed schedule (catching up when late), round robin."""
         if start_ns is not None:
@@ -778,7 +829,7 @@ class Sender:
             rid = f"m{self.counter}"
             ts = time.time_ns()
             frame = json.dumps({"op": "message.send", "id": rid, "scope_id": self.scope_id,
-                                "content": make_content(ts, self.payload)})
+                                "content": self.content(ts)})
             self.pending[rid] = ts
             await self.ws[i % self.n].send(frame)
         send_s = time.perf_counter() - begin
@@ -839,10 +890,13 @@ class Worker:
             except ValueError:
                 continue
             if "p" in msg:
-                self.progress = msg["p"]
-                self.warm = msg["w"]
+                self.on_progress(msg)
             else:
                 await self.phases.put(msg)
+
+    def on_progress(self, msg: dict[str, Any]) -> None:
+        self.progress = msg["p"]
+        self.warm = msg["w"]
 
     async def command(self, text: str) -> None:
         self.proc.stdin.write((text + "\n").encode())

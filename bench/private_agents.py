@@ -76,7 +76,6 @@ import bisect  # noqa: E402
 import contextlib  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
-import math  # noqa: E402
 import os  # noqa: E402
 import random  # noqa: E402
 import resource  # noqa: E402
@@ -94,7 +93,7 @@ from urllib.parse import urlsplit, urlunsplit  # noqa: E402
 
 import asyncpg  # noqa: E402
 
-from bench.common import machine_info, parent_pid, process_tree_cpu_seconds  # noqa: E402
+from bench.common import machine_info, parent_pid, percentile, process_tree_cpu_seconds  # noqa: E402
 from client.asyncio_client import AsyncioConnection, connect  # noqa: E402
 from client.trio_client import ClientError  # noqa: E402
 from server.credentials import API_KEY_PREFIX, generate_secret, secret_hash  # noqa: E402
@@ -118,11 +117,6 @@ COLLABORATOR_WINDOWS = ((0.30, 0.70), (0.85, None))
 
 
 # ----------------------------------------------------------------------------- small helpers
-
-def percentile(ordered: list[float], q: float) -> float:
-    """Nearest-rank percentile of an already sorted list."""
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
-
 
 def _base36(value: int, width: int) -> str:
     digits = "0123456789abcdefghijklmnopqrstuvwxyz"

@@ -72,17 +72,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
-import base64  # noqa: E402
 import collections  # noqa: E402
 import contextlib  # noqa: E402
 import datetime  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402
-import math  # noqa: E402
 import os  # noqa: E402
 import random  # noqa: E402
 import resource  # noqa: E402
-import select  # noqa: E402
 import shutil  # noqa: E402
 import socket  # noqa: E402
 import statistics  # noqa: E402
@@ -92,14 +89,14 @@ import time  # noqa: E402
 import traceback  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from typing import Any  # noqa: E402
-from urllib.parse import urlsplit  # noqa: E402
 
 import asyncpg  # noqa: E402
 
-from bench.common import machine_info, parent_pid, process_tree_cpu_seconds  # noqa: E402
-from bench.fanout import (Procs, Sender, Worker, _background, _drain, _merge_counters, _raise_nofile,  # noqa: E402
-                          _read_ready, client_frame, hist_percentiles, hist_value_ms, machine_cpu_s, proc_cpu_s,
-                          spawn, tree_cpu_s, wait_for_quiet)
+from bench.common import machine_info, parent_pid, percentile, process_tree_cpu_seconds  # noqa: E402
+from bench.fanout import (Procs, Sender, Worker, _background, _drain, _emit, _f, _merge_counters,  # noqa: E402
+                          _raise_nofile, _read_ready, client_frame, client_loop, close_with_reset, connect_clients,
+                          control_frame, hist_key, hist_percentiles, hist_value_ms, machine_cpu_s, proc_cpu_s, spawn,
+                          tree_cpu_s, wait_for_quiet)
 from server.credentials import API_KEY_PREFIX, generate_secret, secret_hash  # noqa: E402
 from storage import applier, tenancy  # noqa: E402
 from storage.ids import new_id  # noqa: E402
@@ -115,11 +112,6 @@ TS_MARK = b"ts="
 TS_DIGITS = 19
 EVENT_HEAD = b'{"type":"event","event":"'
 SEED = 13
-
-
-def percentile(ordered: list[float], q: float) -> float:
-    """Nearest-rank percentile of an already sorted list."""
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
 def spread(values: list[float | None], digits: int = 3) -> dict[str, Any]:
@@ -147,7 +139,7 @@ def padded(text: str, size: int) -> str:
 # Commands on stdin (one per line): subscribe | measure T0_NS | report ; JSON lines on stdout.
 
 class _Agent:
-    __slots__ = ("acked", "buf", "key", "mention", "seen", "sock", "state")
+    __slots__ = ("acked", "acks", "buf", "key", "mention", "seen", "sock", "state")
 
     def __init__(self, sock: socket.socket, key: str, handle: str) -> None:
         self.sock = sock
@@ -157,18 +149,12 @@ class _Agent:
         self.state = "authing"  # authing -> authed -> subscribing -> subscribed | failed | closed
         self.seen: set[str] = set()  # dedupe keys of the deliveries this connection got
         self.acked = 0
-
-
-def _emit(obj: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(obj) + "\n")
-    sys.stdout.flush()
+        self.acks: list[int] = []  # delivery seqs of the current socket read, acked after it
 
 
 def run_agents(args: argparse.Namespace) -> int:
     _raise_nofile()
     started = time.monotonic()
-    url = urlsplit(args.url)
-    host, port = url.hostname, url.port
     agents = json.loads(Path(args.agents_file).read_text())  # [[api_key, handle], ...]
     routed = args.mode == "routed"
     if routed:
@@ -177,53 +163,12 @@ def run_agents(args: argparse.Namespace) -> int:
     else:
         subscribe_frame = client_frame(json.dumps({"op": "subscribe", "id": "s",
                                                    "scopes": [{"scope_id": args.scope_id}]}).encode())
-    ep = select.epoll()
-    conns: dict[int, _Agent] = {}
     errors: collections.Counter[str] = collections.Counter()
     closes: collections.Counter[str] = collections.Counter()
     counts: collections.Counter[str] = collections.Counter()  # frames the server wrote, by kind
     stats: collections.Counter[str] = collections.Counter()
-
-    batch = 64
-    for first in range(0, len(agents), batch):
-        pending = []
-        for key, handle in agents[first:first + batch]:
-            try:
-                s = socket.create_connection((host, port), timeout=30)
-                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                ws_key = base64.b64encode(os.urandom(16)).decode()
-                s.sendall((f"GET {url.path or '/'} HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\n"
-                           f"Connection: Upgrade\r\nSec-WebSocket-Key: {ws_key}\r\n"
-                           f"Sec-WebSocket-Version: 13\r\n\r\n").encode())
-                pending.append((s, key, handle))
-            except OSError as exc:
-                errors[f"connect: {type(exc).__name__}"] += 1
-        for s, key, handle in pending:
-            try:
-                data = b""
-                while b"\r\n\r\n" not in data:
-                    chunk = s.recv(4096)
-                    if not chunk:
-                        raise ConnectionError("closed during handshake")
-                    data += chunk
-                head, _, rest = data.partition(b"\r\n\r\n")
-                if not head.startswith(b"HTTP/1.1 101"):
-                    raise ConnectionError(head.split(b"\r\n", 1)[0].decode(errors="replace"))
-                s.sendall(client_frame(json.dumps({"op": "auth", "id": "a", "api_key": key}).encode()))
-                s.setblocking(False)
-                c = _Agent(s, key, handle)
-                c.buf = rest
-                conns[s.fileno()] = c
-                ep.register(s.fileno(), select.EPOLLIN)
-            except OSError as exc:
-                errors[f"handshake: {exc}"[:120]] += 1
-                s.close()
+    ep, conns = connect_clients(args.url, [(key, handle) for key, handle in agents], _Agent, errors)
     connect_s = time.monotonic() - started
-
-    stdin_fd = sys.stdin.fileno()
-    os.set_blocking(stdin_fd, False)
-    ep.register(stdin_fd, select.EPOLLIN)
-    stdin_buf = b""
 
     t0 = 1 << 63          # messages sent at/after t0 are measured
     counting = False      # frames are counted from `measure` on
@@ -234,10 +179,6 @@ def run_agents(args: argparse.Namespace) -> int:
     hist: dict[int, int] = {}
     unacked_at_subscribe = 0
     ack_counter = 0
-    auth_reported = sub_reported = subscribing = False
-    last_progress = 0.0
-    cpu0 = None
-    deadline = started + args.max_seconds
 
     def record(now: int, ts: int) -> None:
         nonlocal measured, first_ns, last_ns
@@ -245,38 +186,27 @@ def run_agents(args: argparse.Namespace) -> int:
         if not first_ns:
             first_ns = now
         last_ns = now
-        lat = (now - ts) // 1000
-        key = lat // 10 if lat < 10_000 else 1000 + lat // 1000
+        key = hist_key((now - ts) // 1000)
         hist[key] = hist.get(key, 0) + 1
 
     def control(c: _Agent, payload: bytes) -> None:
         nonlocal unacked_at_subscribe
-        try:
-            msg = json.loads(payload)
-        except ValueError:
-            errors["undecodable frame"] += 1
+        was_subscribing = c.state == "subscribing"
+        msg = control_frame(c, payload, errors)
+        if msg is None or msg.get("type") != "result":
             return
-        kind, rid = msg.get("type"), msg.get("id")
-        if kind == "result":
-            if rid == "a" and c.state == "authing":
-                c.state = "authed"
-            elif rid == "s" and c.state == "subscribing":
-                c.state = "subscribed"
-                if routed:
-                    unacked_at_subscribe += int((msg.get("data") or {}).get("unacked") or 0)
-            elif msg.get("op") == "delivery.ack":
-                n = len((msg.get("data") or {}).get("acked") or ())
-                c.acked += n
-                stats["acked"] += n
-        elif kind == "error":
-            errors[f"{rid}: {msg.get('code')}: {msg.get('message', '')[:60]}"] += 1
-            if c.state in ("authing", "subscribing"):
-                c.state = "failed"
+        if msg.get("id") == "s":
+            if routed and was_subscribing and c.state == "subscribed":
+                unacked_at_subscribe += int((msg.get("data") or {}).get("unacked") or 0)
+        elif msg.get("op") == "delivery.ack":
+            n = len((msg.get("data") or {}).get("acked") or ())
+            c.acked += n
+            stats["acked"] += n
 
-    def delivery(c: _Agent, payload: bytes, now: int, acks: list[int]) -> None:
+    def delivery(c: _Agent, payload: bytes, now: int) -> None:
         nonlocal warm
         data = json.loads(payload).get("data") or {}
-        acks.append(data["delivery_seq"])
+        c.acks.append(data["delivery_seq"])
         if (data.get("attempt") or 1) > 1:
             stats["redeliveries"] += 1
         key = data.get("dedupe_key")
@@ -296,155 +226,56 @@ def run_agents(args: argparse.Namespace) -> int:
         else:
             warm += 1
 
-    def drop(fd: int, why: str) -> None:
-        c = conns.get(fd)
-        if c is None or c.state == "closed":
+    def on_text(c: _Agent, data: bytes, start: int, end: int, now: int) -> None:
+        nonlocal message_events, warm
+        if not data.startswith(EVENT_HEAD, start):
+            if counting:
+                counts["result" if data.startswith(b'{"type":"result"', start) else "other"] += 1
+                counts["bytes"] += end - start
+            control(c, data[start:end])
             return
-        closes[why] += 1
-        c.state = "closed"
-        with contextlib.suppress(OSError, ValueError):
-            ep.unregister(fd)
-        c.sock.close()
-
-    def settled(states: tuple[str, ...]) -> bool:
-        return all(c.state not in states for c in conns.values())
-
-    while True:
-        now_m = time.monotonic()
-        if now_m > deadline:
-            errors["worker deadline"] += 1
-            break
-        if not auth_reported and settled(("authing",)):
-            auth_reported = True
-            _emit({"phase": "authed", "connected": len(conns),
-                   "authed": sum(c.state == "authed" for c in conns.values()),
-                   "connect_s": round(connect_s, 2), "errors": dict(errors)})
-        if subscribing and not sub_reported and settled(("subscribing",)):
-            sub_reported = True
-            _emit({"phase": "subscribed", "subscribed": sum(c.state == "subscribed" for c in conns.values()),
-                   "unacked_at_subscribe": unacked_at_subscribe, "errors": dict(errors)})
-        if sub_reported and now_m - last_progress >= 0.25:
-            last_progress = now_m
-            _emit({"p": measured, "w": warm, "m": message_events, "a": stats["acked"]})
-        quit_now = False
-        for fd, _ in ep.poll(0.25):
-            if fd == stdin_fd:
-                try:
-                    chunk = os.read(stdin_fd, 65536)
-                except BlockingIOError:
-                    continue
-                if not chunk:
-                    quit_now = True  # parent went away
-                    break
-                stdin_buf += chunk
-                while b"\n" in stdin_buf:
-                    line, stdin_buf = stdin_buf.split(b"\n", 1)
-                    words = line.decode().split()
-                    if not words:
-                        continue
-                    if words[0] == "subscribe":
-                        subscribing = True
-                        for c in conns.values():
-                            if c.state == "authed":
-                                c.state = "subscribing"
-                                try:
-                                    c.sock.send(subscribe_frame)
-                                except OSError:
-                                    c.state = "failed"
-                    elif words[0] == "measure":
-                        t0 = int(words[1])
-                        counting = True
-                        stats.clear()  # acks, duplicates, ... of the window only
-                        cpu0 = os.times()
-                    elif words[0] == "report":
-                        quit_now = True
-                continue
-            c = conns[fd]
-            try:
-                data = c.sock.recv(1 << 18)
-            except BlockingIOError:
-                continue
-            except OSError as exc:
-                drop(fd, f"error {type(exc).__name__}")
-                continue
-            if not data:
-                drop(fd, "eof")
-                continue
-            now = time.time_ns()  # per read: the frames of this read arrived by now
-            if c.buf:
-                data = c.buf + data
-            n = len(data)
-            pos = 0
-            acks: list[int] = []
-            while n - pos >= 2:
-                ln = data[pos + 1] & 0x7F
-                if ln < 126:
-                    start = pos + 2
-                elif ln == 126:
-                    if n - pos < 4:
-                        break
-                    ln = (data[pos + 2] << 8) | data[pos + 3]
-                    start = pos + 4
+        name_end = data.find(b'"', start + len(EVENT_HEAD), end)
+        name = data[start + len(EVENT_HEAD):name_end].decode(errors="replace")
+        if counting:
+            counts[f"event {name}"] += 1
+            counts["bytes"] += end - start
+        if routed and name == "delivery":
+            delivery(c, data[start:end], now)
+        elif not routed and name == "message.created":
+            i = data.find(TS_MARK, start, end)
+            if i >= 0:
+                ts = int(data[i + 3:i + 3 + TS_DIGITS])
+                if ts >= t0:
+                    message_events += 1
+                    if data.find(c.mention, i, end) >= 0:
+                        record(now, ts)
                 else:
-                    if n - pos < 10:
-                        break
-                    ln = int.from_bytes(data[pos + 2:pos + 10], "big")
-                    start = pos + 10
-                end = start + ln
-                if end > n:
-                    break
-                op = data[pos] & 0x0F
-                if op == 1 or op == 2:
-                    if data.startswith(EVENT_HEAD, start):
-                        name_end = data.find(b'"', start + len(EVENT_HEAD), end)
-                        name = data[start + len(EVENT_HEAD):name_end].decode(errors="replace")
-                        if counting:
-                            counts[f"event {name}"] += 1
-                            counts["bytes"] += ln
-                        if routed and name == "delivery":
-                            delivery(c, data[start:end], now, acks)
-                        elif not routed and name == "message.created":
-                            i = data.find(TS_MARK, start, end)
-                            if i >= 0:
-                                ts = int(data[i + 3:i + 3 + TS_DIGITS])
-                                if ts >= t0:
-                                    message_events += 1
-                                    if data.find(c.mention, i, end) >= 0:
-                                        record(now, ts)
-                                else:
-                                    warm += 1
-                    else:
-                        if counting:
-                            counts["result" if data.startswith(b'{"type":"result"', start) else "other"] += 1
-                            counts["bytes"] += ln
-                        control(c, data[start:end])
-                elif op == 9:  # ping -> pong with the same payload
-                    stats["pings"] += 1
-                    with contextlib.suppress(OSError):
-                        c.sock.send(client_frame(data[start:end], 0xA))
-                elif op == 8:
-                    code = int.from_bytes(data[start:start + 2], "big") if ln >= 2 else 1005
-                    closes[f"close {code}"] += 1
-                    c.state = "closed"
-                    with contextlib.suppress(OSError, ValueError):
-                        ep.unregister(fd)
-                    c.sock.close()
-                    pos = n
-                    break
-                pos = end
-            if c.state == "closed":
-                continue
-            c.buf = data[pos:] if pos < n else b""
-            if acks:
-                ack_counter += 1
-                stats["ack_requests"] += 1
-                with contextlib.suppress(OSError):
-                    c.sock.send(client_frame(json.dumps({"op": "delivery.ack", "id": f"k{ack_counter}",
-                                                         "delivery_seqs": acks}).encode()))
-        if quit_now:
-            break
+                    warm += 1
 
-    cpu1 = os.times()
+    def ack_read(c: _Agent) -> None:
+        """One delivery.ack for the seqs of one socket read."""
+        nonlocal ack_counter
+        if not c.acks:
+            return
+        ack_counter += 1
+        stats["ack_requests"] += 1
+        with contextlib.suppress(OSError):
+            c.sock.send(client_frame(json.dumps({"op": "delivery.ack", "id": f"k{ack_counter}",
+                                                 "delivery_seqs": c.acks}).encode()))
+        c.acks = []
+
+    def on_measure(words: list[str]) -> None:
+        nonlocal t0, counting
+        t0 = int(words[1])
+        counting = True
+        stats.clear()  # acks, duplicates, ... of the window only
+
+    cpu_s = client_loop(
+        ep, conns, errors, closes, stats, deadline=started + args.max_seconds, connect_s=connect_s,
+        subscribe_frame=subscribe_frame, on_text=on_text, on_measure=on_measure,
+        subscribed_fields=lambda: {"unacked_at_subscribe": unacked_at_subscribe},
+        progress=lambda: {"p": measured, "w": warm, "m": message_events, "a": stats["acked"]},
+        after_read=ack_read)
     report = {
         "phase": "report",
         "connections": len(conns),
@@ -459,13 +290,9 @@ def run_agents(args: argparse.Namespace) -> int:
         "stats": dict(stats),
         "errors": dict(errors),
         "closes": dict(closes),
-        "cpu_s": round((cpu1.user + cpu1.system) - (cpu0.user + cpu0.system), 3) if cpu0 else None,
+        "cpu_s": cpu_s,
     }
-    for c in conns.values():  # RST (linger 0): no TIME_WAIT pile-up across runs
-        if c.state != "closed":
-            with contextlib.suppress(OSError):
-                c.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
-                c.sock.close()
+    close_with_reset(conns)
     _emit(report)
     return 0
 
@@ -609,32 +436,8 @@ class MentionSender(Sender):
         self.handles = handles
         self.rng = rng
 
-    async def run(self, rate: float, seconds: float, start_ns: int | None = None) -> dict[str, Any]:
-        if start_ns is not None:
-            await asyncio.sleep(max(0.0, (start_ns - time.time_ns()) / 1e9))
-        total = round(rate * seconds)
-        acked0, errors0 = self.acked, sum(self.errors.values())
-        self.ack_hist = {}
-        begin = time.perf_counter()
-        late = 0
-        for i in range(total):
-            delay = begin + i / rate - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            elif delay < -0.005:
-                late += 1
-            self.counter += 1
-            rid = f"m{self.counter}"
-            handle = self.handles[self.rng.randrange(len(self.handles))]
-            ts = time.time_ns()
-            frame = json.dumps({"op": "message.send", "id": rid, "scope_id": self.scope_id,
-                                "content": mention_content(ts, handle, self.payload)})
-            self.pending[rid] = ts
-            await self.ws[i % self.n].send(frame)
-        send_s = time.perf_counter() - begin
-        self._base = (acked0, errors0)
-        return {"sent": total, "send_s": round(send_s, 3),
-                "achieved_rate": round(total / send_s, 1) if send_s else None, "sends_late_over_5ms": late}
+    def content(self, ts_ns: int) -> str:
+        return mention_content(ts_ns, self.handles[self.rng.randrange(len(self.handles))], self.payload)
 
 
 @dataclass
@@ -644,24 +447,8 @@ class AgentWorker(Worker):
     events: int = 0  # follow: measured message events received
     acks: int = 0    # routed: seqs the server reported acked
 
-    async def read(self) -> None:
-        while True:
-            try:
-                line = await self.proc.stdout.readline()
-            except (ValueError, asyncio.LimitOverrunError) as exc:
-                await self.phases.put({"phase": "unreadable", "error": str(exc)})
-                return
-            if not line:
-                await self.phases.put({"phase": "exit"})
-                return
-            try:
-                msg = json.loads(line)
-            except ValueError:
-                continue
-            if "p" in msg:
-                self.progress, self.warm, self.events, self.acks = msg["p"], msg["w"], msg["m"], msg["a"]
-            else:
-                await self.phases.put(msg)
+    def on_progress(self, msg: dict[str, Any]) -> None:
+        self.progress, self.warm, self.events, self.acks = msg["p"], msg["w"], msg["m"], msg["a"]
 
 
 async def latency_run(side: str, rate: float, fx: Fixture, args: argparse.Namespace, procs: Procs,
@@ -1016,10 +803,6 @@ def cost_summary(repeats: list[dict[str, Any]]) -> dict[str, Any]:
             out[case]["p50_ratio_to_0_targets"] = round(out[case]["p50_ms"]["median"] / base["p50_ms"]["median"], 2)
             out[case]["p99_ratio_to_0_targets"] = round(out[case]["p99_ms"]["median"] / base["p99_ms"]["median"], 2)
     return out
-
-
-def _f(x: Any, spec: str = ",.0f") -> str:
-    return "n/a" if x is None else format(x, spec)
 
 
 def _m(s: dict[str, Any] | None, spec: str = ".1f", with_spread: bool = True) -> str:
