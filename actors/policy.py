@@ -29,6 +29,9 @@ def deny(reason: str) -> Decision:
 def can_write(actor: ActorContext, scope: ScopeContext) -> Decision:
     if scope.status != "active":
         return deny(f"scope_{scope.status}")
+    if scope.type == "service_account":
+        # Only the account posts there, through its own op (service-account §4.1): members read and react.
+        return deny("read_only_scope")
     if actor.member_id not in scope.roster:
         return deny("not_a_member")
     return allow("member")

@@ -548,7 +548,8 @@ class ScopeActor:
                                                   self.authority, now)))
             except PlanRefused as exc:
                 reason = exc.decision.reason
-                code = "forbidden" if reason in ("not_a_member", "recipient_not_addressable") else "conflict"
+                code = ("forbidden" if reason in ("not_a_member", "recipient_not_addressable", "read_only_scope")
+                        else "conflict")
                 message = ("cannot address that recipient" if reason == "recipient_not_addressable"
                            else f"cannot send: {reason}")
                 outcomes[index] = Refused(code, message, reason)
@@ -678,6 +679,27 @@ class ScopeActor:
         if command.requires_membership and command.actor.member_id not in state.roster:
             raise Refused("forbidden", "not a member of this scope", "not_a_member")
         return await handler(self, conn, state, command)
+
+    # --- roster writes other domains' commands ask for (this actor stays the scope's only roster writer) ----
+
+    async def open_members(self, conn: asyncpg.Connection, state: ScopeContext, member_ids: list[str]) -> None:
+        """Open public memberships at the tail (a new member reads the history, owes none of it)."""
+        if member_ids:
+            await applier.bulk_open_memberships(conn, state.workspace_id, state.scope_id, member_ids)
+            self._roster_dirty = True
+
+    async def close_members(self, conn: asyncpg.Connection, state: ScopeContext, member_ids: list[str]) -> None:
+        if member_ids:
+            await applier.apply_membership_mutations(conn, state.workspace_id, state.scope_id,
+                                                     [MembershipMutation(m, "close") for m in member_ids],
+                                                     state.latest_seq)
+            self._roster_dirty = True
+
+    async def erase_scope(self, conn: asyncpg.Connection, state: ScopeContext) -> None:
+        """Delete the scope and everything in it for good; the actor serves nothing after commit."""
+        await deliveries.delete_for_scope(conn, state.scope_id)
+        await applier.delete_scope(conn, state.scope_id)
+        self._roster_dirty = True  # the reload after commit finds no scope
 
     async def _refuse_create(self, conn: asyncpg.Connection, state: ScopeContext, command: CreateScope) -> Outcome:
         raise Conflict("scope_exists", "the scope exists")

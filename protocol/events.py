@@ -15,7 +15,7 @@ from typing import Literal
 
 import msgspec
 
-from protocol import collaboration, deliveries
+from protocol import collaboration, deliveries, service_accounts
 from protocol import frames as f
 
 
@@ -96,6 +96,7 @@ EVENTS: dict[str, type[msgspec.Struct]] = {
     "scope.archived": ScopeArchived,
     "collaborator.changed": collaboration.CollaboratorChanged,
     **deliveries.EVENTS,
+    **service_accounts.EVENTS,
 }
 MESSAGE_EVENTS = frozenset(name for name, payload in EVENTS.items() if payload is f.MessageInfo)
 

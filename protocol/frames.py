@@ -346,8 +346,13 @@ class InboxList(WorkspaceRequest, tag="inbox.list"):
     limit: Limit = 50
 
 
-class ConversationAction(WorkspaceRequest, tag="conversation.action"):
-    scope_id: Id
+class ConversationAction(WorkspaceRequest, tag="conversation.action", kw_only=True):
+    """A personal action on one conversation, named by `scope_id` or by
+    `conversation_id` (`serviceAccount:{scope_id}` for a service account's; a
+    bare scope id otherwise): exactly one of the two."""
+
+    scope_id: Id | None = None
+    conversation_id: Annotated[str, msgspec.Meta(min_length=1, max_length=80)] | None = None
     action: Literal["pin", "unpin", "hide", "restore", "mute", "unmute", "mark_read", "mark_unread"]
 
 
@@ -545,6 +550,28 @@ class ReactionSummary(msgspec.Struct):
     me: bool
 
 
+class AuthorProfile(msgspec.Struct, omit_defaults=True):
+    """A service account's AuthorProfile (service-account §2.1), the same in messages,
+    the Inbox, the directory, navigation, permalinks and the audit.  `member_id` is the author
+    member of its posts; open it by `target_id` / `conversation_id`."""
+
+    service_account_id: str
+    principal_id: str
+    actor_type: Literal["service"]
+    service_kind: Literal["service_account"]
+    member_id: str
+    target_id: str
+    display_name: str
+    description: str
+    conversation_id: str
+    scope_id: str
+    profile_version: int
+    # The fixed audience: every active human of the workspace (no opt-in or out).
+    audience: Literal["all_active_humans"]
+    capabilities: list[str]  # what the target id opens: profile.open, conversation.open
+    avatar_url: str | None = None
+
+
 class MessageInfo(msgspec.Struct, omit_defaults=True):
     id: str
     scope_id: str
@@ -562,6 +589,8 @@ class MessageInfo(msgspec.Struct, omit_defaults=True):
     thread_scope_id: str | None = None
     reactions: list[ReactionSummary] = []
     replayed: bool = False
+    # A service account's post: the account's AuthorProfile (service-account §2.1).
+    author_profile: AuthorProfile | None = None
 
 
 class RevisionInfo(msgspec.Struct):
@@ -598,6 +627,10 @@ class ConversationInfo(msgspec.Struct, omit_defaults=True):
     last_message_id: str | None = None
     last_author_member_id: str | None = None
     last_preview: str | None = None
+    # `serviceAccount:{scope_id}` for a service account's conversation (kind `serviceAccount`), else the scope id.
+    conversation_id: str | None = None
+    kind: str | None = None
+    service_account: AuthorProfile | None = None
 
 
 class InboxPage(msgspec.Struct, omit_defaults=True):
@@ -617,8 +650,9 @@ CLOSE_UNAVAILABLE = 1011      # the server could not deliver (e.g. database down
 # Each later domain defines its ops in its own module (every frame type above
 # is defined by then, so the import is not circular) and is appended here.
 from protocol import (  # noqa: E402
-    collaboration as _collaboration, deliveries as _deliveries, private_agents as _private_agents)
+    collaboration as _collaboration, deliveries as _deliveries, private_agents as _private_agents,
+    service_accounts as _service_accounts)
 
-CLIENT_FRAMES += (*_collaboration.FRAMES, *_private_agents.FRAMES, *_deliveries.FRAMES)
+CLIENT_FRAMES += (*_collaboration.FRAMES, *_private_agents.FRAMES, *_deliveries.FRAMES, *_service_accounts.FRAMES)
 ClientFrame = Union[CLIENT_FRAMES]  # type: ignore[valid-type]
 KNOWN_OPS = frozenset(frame.__struct_config__.tag for frame in CLIENT_FRAMES)

@@ -14,7 +14,7 @@ from typing import Literal
 
 import msgspec
 
-from protocol import collaboration, deliveries, private_agents
+from protocol import collaboration, deliveries, private_agents, service_accounts
 from protocol import frames as f
 
 
@@ -113,6 +113,7 @@ RESULTS: dict[type[f.Request], type[msgspec.Struct]] = {
     **collaboration.RESULTS,
     **private_agents.RESULTS,
     **deliveries.RESULTS,
+    **service_accounts.RESULTS,
 }
 assert set(RESULTS) == set(f.CLIENT_FRAMES), "every op needs exactly one result type"
 

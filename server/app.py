@@ -33,6 +33,8 @@ from actors.outbox_worker import OutboxWorker
 from actors.registry import ScopeRegistry, actor_seconds
 from server import handlers, http, logs, messaging
 from server.ops.collaboration import run_collaborator_maintenance
+from server.ops.service_accounts import AudienceReconciler
+from server.ops.service_accounts import run_maintenance as run_service_account_maintenance
 from server.limits import ConnectionAdmission, KeyedRateLimiter, TokenBucket, warn_if_descriptors_short
 from server import transport
 from server.auth import Authenticator
@@ -164,6 +166,7 @@ class Server:
     registry: ScopeRegistry | None = None
     outbox: OutboxWorker | None = None
     deliveries: DeliveryRouter = field(init=False)
+    audience: AudienceReconciler = field(init=False)
     port: int | None = None
     # Already bound (the CLI binds before touching the database, to fail fast); else run() binds.
     listeners: list[trio.SocketListener] | None = None
@@ -187,6 +190,7 @@ class Server:
             max_unauthenticated_per_address=self.config.max_unauthenticated_per_address)
         self.deliveries = DeliveryRouter(self.db, lease_seconds=self.config.delivery_lease_seconds,
                                          retention_hours=self.config.delivery_retention_hours)
+        self.audience = AudienceReconciler(self)
         self.metrics.bind(self)
 
     async def edition(self) -> str | None:
@@ -209,6 +213,8 @@ class Server:
             await actors_nursery.start(self.outbox.run)
             await actors_nursery.start(messaging.sweep_departed_members, self)
             await actors_nursery.start(run_collaborator_maintenance, self)
+            await actors_nursery.start(self.audience.run)
+            await actors_nursery.start(run_service_account_maintenance, self)
             # Cancelling run() must not reach the connection tasks at once: they
             # still run the closing handshakes.  So the serving part is shielded,
             # and a sentinel task turns the cancellation into a stop request.

@@ -101,7 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
             ("--delivery-lease-seconds", "DELIVERY_LEASE_SECONDS", "60",
              "seconds a routed delivery stays with one connection unacked before it is sent again"),
             ("--delivery-retention-hours", "DELIVERY_RETENTION_HOURS", "168",
-             "hours an unacked routed delivery waits before it expires")):
+             "hours an unacked routed delivery waits before it expires"),
+            ("--service-account-audience-batch", "SERVICE_ACCOUNT_AUDIENCE_BATCH", "500",
+             "members a service account's audience reconcile opens or closes per batch (1-10000)")):
         serve.add_argument(flag, type=float, default=float(_env(env, default)), help=f"{text} (default: %(default)s)")
     serve.add_argument("--metrics-port", type=int, default=_env("METRICS_PORT"),
                        help="serve /metrics (and /healthz, /readyz) on this port instead of the WebSocket port, "
@@ -136,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "serve" and (args.delivery_lease_seconds < 1 or args.delivery_retention_hours <= 0):
         parser.error("--delivery-lease-seconds must be at least 1 and --delivery-retention-hours positive")
+    if args.command == "serve" and not 1 <= args.service_account_audience_batch <= 10_000:
+        parser.error("--service-account-audience-batch must be between 1 and 10000")
     logs.configure(getattr(args, "log_level", "warning"))
     if args.command == "status":
         try:
@@ -174,6 +178,7 @@ def server_config_from(args: argparse.Namespace) -> ServerConfig:
                         push_timeout_seconds=args.push_timeout,
                         delivery_lease_seconds=args.delivery_lease_seconds,
                         delivery_retention_hours=args.delivery_retention_hours,
+                        service_account_audience_batch=int(args.service_account_audience_batch),
                         max_connections=int(args.max_connections),
                         max_unauthenticated_connections=int(args.max_unauthenticated),
                         max_unauthenticated_per_address=int(args.max_unauthenticated_per_address),

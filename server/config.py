@@ -65,6 +65,8 @@ class ServerConfig:
     # deliveries older than the retention expire (routed history is not an unbounded queue).
     delivery_lease_seconds: float = 60.0
     delivery_retention_hours: float = 168.0
+    # A service account's audience reconciles in batches of this many members (one actor command each).
+    service_account_audience_batch: int = 500
     # Operability: /metrics on its own port (None: on the WebSocket port), and the
     # duration past which a command is logged as slow, with its phases.
     metrics_port: int | None = None

@@ -16,7 +16,7 @@ from protocol import frames as f
 from protocol import results
 from protocol.errors import ErrorCode, ProtocolError
 from server import messaging, realtime
-from server.ops import collaboration, deliveries, private_agents
+from server.ops import collaboration, deliveries, private_agents, service_accounts
 from server import tenancy as ops
 from server.context import RequestContext
 
@@ -261,6 +261,7 @@ IN_WORKSPACE: dict[type, Handler] = {
     **collaboration.HANDLERS,
     **private_agents.HANDLERS,
     **deliveries.HANDLERS,
+    **service_accounts.HANDLERS,
 }
 assert set(PUBLIC) | set(AUTHENTICATED) | set(IN_WORKSPACE) == set(f.CLIENT_FRAMES), "every op needs a handler"
 

@@ -17,6 +17,7 @@ import trio
 
 from actors import scope_actor as cmd
 from actors.fanout import CommittedEvent
+from domain.service_accounts import CONVERSATION_PREFIX
 from domain.plan import (ActorContext, ChannelProfile, CommittedMessage, MembershipMutation, MentionCandidate,
                          MessageIntent, RosterEntry, SourceRef)
 from actors.routing_tokens import MentionMode
@@ -26,7 +27,8 @@ from protocol.errors import ErrorCode, ProtocolError
 from protocol.reaction_keys import InvalidReactionKey, normalize_reaction_key
 from server.context import RequestContext, WorkspaceContext
 from server.rbac import Permission
-from storage import applier, messages, tenancy, visibility
+from server.service_profiles import author_profile, with_profile
+from storage import applier, messages, service_accounts, tenancy, visibility
 from storage.errors import NotFound, StorageError
 from storage.ids import is_valid_id, new_id
 
@@ -235,12 +237,21 @@ async def dm_open(server: Server, connection: Connection, request: f.DmOpen, ctx
             raise ProtocolError(ErrorCode.FORBIDDEN, "a private agent talks only with its owner")
         other, other_id, private = caller, caller.member_id, True
     pair = sorted({workspace.member_id, request.member_id})
-    identity_key = f"dm:{workspace.workspace_id}:" + ":".join(pair)
-    scope_id = await server.db.run(messages.keyed_scope, workspace.workspace_id, identity_key)
+    members = [MembershipMutation(member_id, "open", "private", other.owner_member_id)
+               if member_id == other_id and private else MembershipMutation(member_id, "open")
+               for member_id in pair]
+    scope_id = await ensure_dm(server, actor, members)
+    row = await server.db.run(messages.scope_for_viewer, workspace.workspace_id, scope_id, workspace.member_id)
+    return scope_info(row, True)
+
+
+async def ensure_dm(server: Server, actor: ActorContext, members: list[MembershipMutation]) -> str:
+    """The one DM scope of a pair (sorted `members`), created on first use; a member of
+    the pair who left the workspace and came back gets a new interval in it."""
+    pair = [m.member_id for m in members]
+    identity_key = f"dm:{actor.workspace_id}:" + ":".join(pair)
+    scope_id = await server.db.run(messages.keyed_scope, actor.workspace_id, identity_key)
     if scope_id is None:
-        members = [MembershipMutation(member_id, "open", "private", other.owner_member_id)
-                   if member_id == other_id and private else MembershipMutation(member_id, "open")
-                   for member_id in pair]
         scope_id = await _submit(server, new_id("scp"), cmd.CreateScope(actor, "dm", tuple(members),
                                                                         identity_key=identity_key))
     else:
@@ -253,8 +264,7 @@ async def dm_open(server: Server, connection: Connection, request: f.DmOpen, ctx
             except ProtocolError as exc:
                 if exc.details.get("reason") != "not_reopenable":  # reopened concurrently
                     raise
-    row = await server.db.run(messages.scope_for_viewer, workspace.workspace_id, scope_id, workspace.member_id)
-    return scope_info(row, True)
+    return scope_id
 
 
 async def scope_get(server: Server, connection: Connection, request: f.ScopeGet, ctx: RequestContext) -> f.ScopeInfo:
@@ -347,6 +357,9 @@ async def thread_reply(server: Server, connection: Connection, request: f.Thread
         raise _not_found("message")
     if parent["type"] == "thread":
         raise ProtocolError(ErrorCode.INVALID, "threads do not nest")
+    if parent["type"] == "service_account":
+        raise ProtocolError(ErrorCode.FORBIDDEN, "a service account's timeline is read-only",
+                            details={"reason": "read_only_scope"})
     thread_id = root["thread_scope_id"]
     if thread_id is None:
         thread_id = await _open_thread(server, workspace, parent["id"], root)
@@ -529,8 +542,11 @@ async def message_history(server: Server, connection: Connection, request: f.Mes
         root_row = await server.db.run(messages.message_for_viewer, workspace.workspace_id, workspace.member_id,
                                        row["root_message_id"])
         root = message_info(root_row) if root_row is not None else None
-    return f.HistoryPage(messages=[message_info(r, reactions.get(r["id"])) for r in rows], has_more=has_more,
-                         last_read_seq=membership["last_read_seq"] if membership else None, root=root)
+    accounts = (await server.db.run(service_accounts.accounts_by_scope, [row["id"]])
+                if row["type"] == "service_account" else {})
+    return f.HistoryPage(messages=[with_profile(message_info(r, reactions.get(r["id"])), accounts) for r in rows],
+                         has_more=has_more, last_read_seq=membership["last_read_seq"] if membership else None,
+                         root=root)
 
 
 async def message_get(server: Server, connection: Connection, request: f.MessageGet,
@@ -548,7 +564,9 @@ async def message_get(server: Server, connection: Connection, request: f.Message
         revisions = [f.RevisionInfo(r["revision"], r["content"], r["edited_by_member_id"], _ms(r["created_at"]))
                      for r in await server.db.run(messages.message_revisions, workspace.workspace_id,
                                                   workspace.member_id, row["id"])]
-    return f.MessageDetail(message=message_info(row, reactions.get(row["id"])), revisions=revisions)
+    accounts = await server.db.run(service_accounts.accounts_by_scope, [row["scope_id"]])
+    return f.MessageDetail(message=with_profile(message_info(row, reactions.get(row["id"])), accounts),
+                           revisions=revisions)
 
 
 # --- read state, notifications, inbox ------------------------------------------------------------------------
@@ -593,18 +611,37 @@ async def inbox_list(server: Server, connection: Connection, request: f.InboxLis
             raise ProtocolError(ErrorCode.INVALID, "malformed cursor")
     rows, next_cursor = await server.db.run(messages.inbox, workspace.workspace_id, workspace.member_id,
                                             after=after, limit=request.limit)
-    return f.InboxPage(conversations=[f.ConversationInfo(
-        scope_id=r["scope_id"], type=r["type"], latest_seq=r["latest_seq"], last_read_seq=r["last_read_seq"],
-        unread_count=r["unread_count"], pinned=bool(r["pinned"]), manual_unread=r["manual_unread"],
-        notification_state=r["notification_state"], activity_at_ms=int(r["activity_epoch"] * 1000),
-        display_name=r["display_name"], parent_scope_id=r["parent_scope_id"], last_message_id=r["last_message_id"],
-        last_author_member_id=r["last_author_member_id"], last_preview=r["last_preview"]) for r in rows],
-        next_cursor=next_cursor)
+    accounts = await server.db.run(service_accounts.accounts_by_scope,
+                                   [r["scope_id"] for r in rows if r["type"] == "service_account"])
+    conversations = []
+    for r in rows:
+        account = accounts.get(r["scope_id"])
+        profile = author_profile(account) if account is not None else None
+        conversations.append(f.ConversationInfo(
+            scope_id=r["scope_id"], type=r["type"], latest_seq=r["latest_seq"], last_read_seq=r["last_read_seq"],
+            unread_count=r["unread_count"], pinned=bool(r["pinned"]), manual_unread=r["manual_unread"],
+            notification_state=r["notification_state"], activity_at_ms=int(r["activity_epoch"] * 1000),
+            display_name=profile.display_name if profile else r["display_name"],
+            parent_scope_id=r["parent_scope_id"], last_message_id=r["last_message_id"],
+            last_author_member_id=r["last_author_member_id"], last_preview=r["last_preview"],
+            conversation_id=profile.conversation_id if profile else r["scope_id"],
+            kind="serviceAccount" if profile else r["type"], service_account=profile))
+    return f.InboxPage(conversations=conversations, next_cursor=next_cursor)
+
+
+def scope_of_conversation(conversation_id: str) -> str:
+    """The scope a conversation id names: `serviceAccount:{scope_id}` or a bare scope id."""
+    scope_id = conversation_id.removeprefix(CONVERSATION_PREFIX)
+    _check_id(scope_id, "scp", "conversation")
+    return scope_id
 
 
 async def conversation_action(server: Server, connection: Connection, request: f.ConversationAction,
                               ctx: RequestContext) -> f.Ok:
-    workspace, row = await _scope(server, ctx, request.scope_id, Permission.MESSAGE_READ)
+    if (request.scope_id is None) == (request.conversation_id is None):
+        raise ProtocolError(ErrorCode.INVALID, "give scope_id or conversation_id", details={"field": "scope_id"})
+    scope_id = request.scope_id or scope_of_conversation(request.conversation_id)
+    workspace, row = await _scope(server, ctx, scope_id, Permission.MESSAGE_READ)
     actor = _actor(workspace)
     action = request.action
     if action in ("mute", "unmute"):

@@ -310,7 +310,10 @@ async def enqueue_mutation(conn: asyncpg.Connection, workspace_id: str, scope_id
 # --- edits, withdrawal, reactions -------------------------------------------------------------
 
 async def edit_message(conn: asyncpg.Connection, scope_id: str, message_id: str, editor: str, content: str,
-                       expected_revision: int, generation: int) -> asyncpg.Record:
+                       expected_revision: int, generation: int,
+                       metadata: dict[str, Any] | None = None) -> asyncpg.Record:
+    """A new revision of the content (and, for a server-written type such as a
+    service-account post, of its metadata); id, seq and read frontiers stay."""
     row = await conn.fetchrow(
         "SELECT workspace_id, author_member_id, revision, state, content, metadata FROM scope_messages "
         "WHERE scope_id = $1 AND id = $2 FOR UPDATE",
@@ -329,15 +332,16 @@ async def edit_message(conn: asyncpg.Connection, scope_id: str, message_id: str,
             message_id, row["workspace_id"], scope_id, row["content"], row["metadata"], row["author_member_id"],
         )
     revision = row["revision"] + 1
+    new_metadata = json.dumps(metadata) if metadata is not None else row["metadata"]
     await conn.execute(
         "INSERT INTO scope_message_revisions (message_id, revision, workspace_id, scope_id, content, metadata, "
-        "edited_by_member_id) VALUES ($1, $2, $3, $4, $5, $6, $7)",
-        message_id, revision, row["workspace_id"], scope_id, content, row["metadata"], editor,
+        "edited_by_member_id) VALUES ($1, $2, $3, $4, $5, $6::jsonb, $7)",
+        message_id, revision, row["workspace_id"], scope_id, content, new_metadata, editor,
     )
     updated = await conn.fetchrow(
-        "UPDATE scope_messages SET content = $3, revision = $4, updated_at = now() WHERE scope_id = $1 AND id = $2 "
-        "RETURNING *",
-        scope_id, message_id, content, revision,
+        "UPDATE scope_messages SET content = $3, revision = $4, metadata = $5::jsonb, updated_at = now() "
+        "WHERE scope_id = $1 AND id = $2 RETURNING *",
+        scope_id, message_id, content, revision, new_metadata,
     )
     await enqueue_mutation(conn, row["workspace_id"], scope_id, message_id, "message.edited",
                            f"message.edited:{message_id}:{revision}", {"revision": revision}, generation)
@@ -345,15 +349,17 @@ async def edit_message(conn: asyncpg.Connection, scope_id: str, message_id: str,
 
 
 async def withdraw_message(conn: asyncpg.Connection, scope_id: str, message_id: str, actor: str,
-                           generation: int) -> asyncpg.Record:
+                           generation: int, expected_revision: int | None = None) -> asyncpg.Record:
     row = await conn.fetchrow(
-        "SELECT workspace_id, state FROM scope_messages WHERE scope_id = $1 AND id = $2 FOR UPDATE",
+        "SELECT workspace_id, state, revision FROM scope_messages WHERE scope_id = $1 AND id = $2 FOR UPDATE",
         scope_id, message_id,
     )
     if row is None:
         raise NotFound("message")
     if row["state"] == "withdrawn":
         raise Conflict("message_withdrawn", "the message was already withdrawn")
+    if expected_revision is not None and row["revision"] != expected_revision:
+        raise Conflict("revision_mismatch", f"the message is at revision {row['revision']}")
     # The content becomes unrecoverable (strand-message.md §9.2): erased in the
     # row and in every revision; id, seq, author, read frontier and the
     # idempotency key and digest (no plaintext) stay.
@@ -566,3 +572,18 @@ async def settle_failed_attempt(conn: asyncpg.Connection, outbox_id: str, error:
         "status = CASE WHEN attempts + 1 >= max_attempts THEN 'failed' ELSE 'pending' END WHERE id = $1",
         outbox_id, error[:2000], backoff_seconds,
     )
+
+
+async def delete_scope(conn: asyncpg.Connection, scope_id: str) -> None:
+    """Erase a scope and every message-domain row of it, for good (a service
+    account's permanent delete, service-account.md §2.5).  Its routed deliveries
+    go first (storage/deliveries.py); a forward of one of its messages elsewhere
+    keeps its frozen copy but loses the source reference."""
+    for table in ("scope_fanout_outbox", "scope_message_reactions", "scope_activity_events",
+                  "scope_message_revisions", "conversation_member_states", "scope_notification_settings",
+                  "scope_memberships"):
+        await conn.execute(f"DELETE FROM {table} WHERE scope_id = $1", scope_id)
+    await conn.execute("DELETE FROM scope_message_sources WHERE target_scope_id = $1 OR source_scope_id = $1",
+                       scope_id)
+    await conn.execute("DELETE FROM scope_messages WHERE scope_id = $1", scope_id)
+    await conn.execute("DELETE FROM scopes WHERE id = $1", scope_id)

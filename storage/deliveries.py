@@ -232,3 +232,16 @@ async def activity_events(conn: asyncpg.Connection, ids: list[str]) -> dict[str,
         ids,
     )
     return {r["id"]: r for r in rows}
+
+
+async def delete_for_scope(conn: asyncpg.Connection, scope_id: str) -> None:
+    """A scope deleted for good (a service account's delete) takes its deliveries along."""
+    await conn.execute("DELETE FROM scope_targeted_deliveries WHERE scope_id = $1", scope_id)
+
+
+async def delete_member_feed(conn: asyncpg.Connection, workspace_id: str, member_id: str) -> None:
+    """A member deleted for good (a service account's author) takes its feed along."""
+    await conn.execute("DELETE FROM scope_targeted_deliveries WHERE workspace_id = $1 AND recipient_member_id = $2",
+                       workspace_id, member_id)
+    await conn.execute("DELETE FROM member_delivery_feeds WHERE workspace_id = $1 AND member_id = $2",
+                       workspace_id, member_id)

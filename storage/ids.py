@@ -42,6 +42,19 @@ PREFIXES = frozenset(
         "dlv",  # routed delivery (the sparse delivery ledger)
         "con",  # connection
         "req",  # request
+        "sdf",  # service definition (Service Actor substrate)
+        "cap",  # service capability
+        "sin",  # service installation
+        "ssm",  # service member
+        "sgr",  # service grant
+        "stb",  # service target binding
+        "sac",  # service account
+        "sam",  # service-account manager assignment
+        "sar",  # service-account create request
+        "apv",  # approval instance
+        "ani",  # approval notification intent
+        "snc",  # service notification card (sidecar of a card message)
+        "sae",  # service-account audit event
     }
 )
 

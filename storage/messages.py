@@ -118,6 +118,12 @@ async def committed_message(conn: asyncpg.Connection, scope_id: str, message_id:
     return committed_from_row(row) if row is not None else None
 
 
+async def message_row(conn: asyncpg.Connection, scope_id: str, message_id: str) -> asyncpg.Record | None:
+    """A message of the scope, locked for the scope actor's command that changes what hangs on it."""
+    return await conn.fetchrow("SELECT * FROM scope_messages WHERE scope_id = $1 AND id = $2 FOR SHARE",
+                               scope_id, message_id)
+
+
 # --- scope lookups for members ------------------------------------------------------------------
 
 async def scope_for_viewer(conn: asyncpg.Connection, workspace_id: str, scope_id: str,
@@ -160,7 +166,8 @@ async def message_scope(conn: asyncpg.Connection, workspace_id: str, viewer: str
                         message_id: str) -> asyncpg.Record | None:
     """Which scope a message is in, only if the viewer may read it."""
     return await conn.fetchrow(
-        f"SELECT m.scope_id, m.seq, m.author_member_id, m.state, m.revision FROM scope_messages m "
+        f"SELECT m.scope_id, m.seq, m.author_member_id, m.state, m.revision, "
+        f"(SELECT s.type FROM scopes s WHERE s.id = m.scope_id) AS scope_type FROM scope_messages m "
         f"WHERE m.workspace_id = $1 AND m.id = $3 AND {message_visibility_sql('m', '$2')} IS NOT NULL",
         workspace_id, viewer, message_id,
     )
@@ -362,6 +369,8 @@ async def inbox(conn: asyncpg.Connection, workspace_id: str, viewer: str, *, aft
             WHERE sm.workspace_id = $1 AND sm.member_id = $2
               AND s.status <> 'deleted' AND s.type <> 'workflow'
               AND (c.hidden_at IS NULL OR s.latest_seq > c.hidden_through_seq)
+              -- A service account's conversation begins with its first post inside the membership (§5.1).
+              AND (s.type <> 'service_account' OR s.latest_seq >= sm.effective_from_seq)
         )
         SELECT conv.*, extract(epoch FROM conv.activity_at)::float8 AS activity_epoch,
                last.id AS last_message_id, last.author_member_id AS last_author_member_id,

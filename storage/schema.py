@@ -1058,6 +1058,554 @@ scope_targeted_deliveries = introduced_in(3, Table(
     ),
 ))
 
+# --- service accounts (service-account.md §2, §7): the Service Actor substrate, workspace accounts,
+# --- their create requests and approvals, managers, audit, and the human lifecycle they follow.
+
+SERVICE_ACCOUNT_BUSINESS_STATES = ("submitted", "awaiting_authorization", "authorized", "declined", "cancelled",
+                                   "provisioning", "fulfilled", "action_required")
+
+# A product registration shared by every installation of it (§2.1): `service-account`, and the
+# built-in `approvals` app that writes approval cards.
+service_definitions = introduced_in(4, Table(
+    "service_definitions",
+    columns=(
+        Column("id", "text"),
+        Column("service_kind", "text"),
+        Column("slug", "text"),
+        Column("installation_mode", "text"),
+        Column("created_at", TS, default=NOW),
+    ),
+    primary_key=("id",),
+    uniques=(Unique("service_definitions_slug_key", ("slug",)),),
+    checks=(
+        id_check("service_definitions", "id", "sdf"),
+        enum_check("service_definitions", "service_kind", ("service_account", "app")),
+        enum_check("service_definitions", "installation_mode", ("named_multi_instance", "workspace_singleton")),
+    ),
+))
+
+service_capabilities = introduced_in(4, Table(
+    "service_capabilities",
+    columns=(
+        Column("id", "text"),
+        Column("service_definition_id", "text"),
+        Column("capability", "text"),
+        Column("delivery_contract", "text"),
+    ),
+    primary_key=("id",),
+    uniques=(Unique("service_capabilities_definition_capability_key", ("service_definition_id", "capability")),),
+    checks=(id_check("service_capabilities", "id", "cap"),),
+    foreign_keys=(ForeignKey("service_capabilities_definition_fkey", ("service_definition_id",),
+                             "service_definitions", ("id",)),),
+))
+
+service_installations = introduced_in(4, Table(
+    "service_installations",
+    columns=(
+        Column("id", "text"),
+        Column("workspace_id", "text"),
+        Column("service_definition_id", "text"),
+        # service_account: the account's principal id; a singleton app: 'workspace'.
+        Column("instance_key", "text"),
+        Column("created_at", TS, default=NOW),
+    ),
+    primary_key=("id",),
+    uniques=(
+        Unique("service_installations_instance_key", ("service_definition_id", "workspace_id", "instance_key")),
+        Unique("service_installations_workspace_id_key", ("workspace_id", "id")),
+    ),
+    checks=(id_check("service_installations", "id", "sin"),),
+    foreign_keys=(
+        ForeignKey("service_installations_workspace_fkey", ("workspace_id",), "workspaces", ("id",)),
+        ForeignKey("service_installations_definition_fkey", ("service_definition_id",), "service_definitions",
+                   ("id",)),
+    ),
+))
+
+# One per installation: the author member (a `members` row of kind service) and its display projection.
+service_members = introduced_in(4, Table(
+    "service_members",
+    columns=(
+        Column("id", "text"),
+        Column("workspace_id", "text"),
+        Column("service_installation_id", "text"),
+        Column("member_id", "text"),
+        Column("display_name", "text"),
+        Column("created_at", TS, default=NOW),
+    ),
+    primary_key=("id",),
+    uniques=(
+        Unique("service_members_installation_key", ("service_installation_id",)),
+        Unique("service_members_member_key", ("member_id",)),
+        Unique("service_members_workspace_id_key", ("workspace_id", "id")),
+    ),
+    checks=(id_check("service_members", "id", "ssm"),),
+    foreign_keys=(
+        tenant_fk("service_members", ("workspace_id", "service_installation_id"), "service_installations",
+                  ("workspace_id", "id"), "installation"),
+        member_fk("service_members", "member_id"),
+    ),
+))
+
+service_grants = introduced_in(4, Table(
+    "service_grants",
+    columns=(
+        Column("id", "text"),
+        Column("workspace_id", "text"),
+        Column("service_installation_id", "text"),
+        Column("service_capability_id", "text"),
+        Column("status", "text", default="'active'"),
+        Column("created_at", TS, default=NOW),
+        Column("revoked_at", TS, nullable=True),
+    ),
+    primary_key=("id",),
+    checks=(
+        id_check("service_grants", "id", "sgr"),
+        enum_check("service_grants", "status", ("active", "revoked")),
+        Check("service_grants_revoked_state", "(status = 'revoked') = (revoked_at IS NOT NULL)"),
+    ),
+    foreign_keys=(
+        tenant_fk("service_grants", ("workspace_id", "service_installation_id"), "service_installations",
+                  ("workspace_id", "id"), "installation"),
+        ForeignKey("service_grants_capability_fkey", ("service_capability_id",), "service_capabilities", ("id",)),
+    ),
+    indexes=(Index("service_grants_live_key", "service_installation_id, service_capability_id", unique=True,
+                   where="status = 'active'"),),
+))
+
+# The installation's `message.write` bound to its own message scope (§2.1).
+service_target_bindings = introduced_in(4, Table(
+    "service_target_bindings",
+    columns=(
+        Column("id", "text"),
+        Column("workspace_id", "text"),
+        Column("service_definition_id", "text"),
+        Column("service_installation_id", "text"),
+        Column("service_member_id", "text"),
+        Column("capability", "text"),
+        Column("target_ref", "text"),
+        Column("scope_id", "text"),
+        Column("created_at", TS, default=NOW),
+    ),
+    primary_key=("id",),
+    uniques=(
+        Unique("service_target_bindings_installation_capability_key", ("service_installation_id", "capability")),
+        Unique("service_target_bindings_scope_key", ("scope_id",)),
+    ),
+    checks=(id_check("service_target_bindings", "id", "stb"),),
+    foreign_keys=(
+        ForeignKey("service_target_bindings_definition_fkey", ("service_definition_id",), "service_definitions",
+                   ("id",)),
+        tenant_fk("service_target_bindings", ("workspace_id", "service_installation_id"), "service_installations",
+                  ("workspace_id", "id"), "installation"),
+        tenant_fk("service_target_bindings", ("workspace_id", "service_member_id"), "service_members",
+                  ("workspace_id", "id"), "service_member"),
+        tenant_fk("service_target_bindings", ("workspace_id", "scope_id"), "scopes", ("workspace_id", "id"), "scope"),
+    ),
+))
+
+# The workspace instance (§2.5).  Audience (§3.3): `audience_policy_version` is the workspace's human
+# lifecycle seq the audience must reflect; the reconciler's first pass walks the active humans by member
+# id (checkpoint `audience_scan_cursor`), then applies lifecycle events after `effective_audience_version`.
+service_accounts = introduced_in(4, Table(
+    "service_accounts",
+    columns=(
+        Column("id", "text"),
+        Column("principal_id", "text"),
+        Column("workspace_id", "text"),
+        Column("management_kind", "text", default="'workspace'"),
+        Column("platform_service_account_id", "text", nullable=True),
+        Column("service_installation_id", "text"),
+        Column("service_member_id", "text"),
+        Column("author_member_id", "text"),
+        Column("message_scope_id", "text"),
+        # Always 'service_account': with the composite key below the scope must be of that type.
+        Column("message_scope_type", "text", default="'service_account'"),
+        Column("name", "text"),
+        Column("normalized_name", "text"),
+        Column("description", "text", default="''"),
+        Column("avatar_asset_id", "text", nullable=True),
+        Column("applied_platform_profile_version", "bigint", nullable=True),
+        Column("profile_version", "bigint", default="1"),
+        Column("audience_policy_version", "bigint"),
+        Column("effective_audience_version", "bigint", default="0"),
+        Column("audience_state", "text", default="'provisioning'"),
+        Column("audience_scan_complete", "boolean", default="false"),
+        Column("audience_scan_cursor", "text", default="''"),
+        Column("audience_batches_done", "bigint", default="0"),
+        Column("version", "bigint", default="1"),
+        Column("created_by_member_id", "text", nullable=True),
+        Column("created_by_operator_user_id", "text", nullable=True),
+        *timestamps(),
+    ),
+    primary_key=("id",),
+    uniques=(
+        Unique("service_accounts_workspace_principal_key", ("workspace_id", "principal_id")),
+        Unique("service_accounts_workspace_id_key", ("workspace_id", "id")),
+        Unique("service_accounts_message_scope_key", ("message_scope_id",)),
+        Unique("service_accounts_installation_key", ("service_installation_id",)),
+        Unique("service_accounts_service_member_key", ("service_member_id",)),
+        Unique("service_accounts_author_member_key", ("author_member_id",)),
+    ),
+    checks=(
+        id_check("service_accounts", "id", "sac"),
+        enum_check("service_accounts", "management_kind", ("workspace", "platform")),
+        enum_check("service_accounts", "audience_state", ("provisioning", "reconciling", "ready")),
+        Check("service_accounts_workspace_principal",
+              "management_kind <> 'workspace' OR (principal_id = id AND platform_service_account_id IS NULL)"),
+        Check("service_accounts_scope_type", "message_scope_type = 'service_account'"),
+        Check("service_accounts_name_length", "char_length(name) BETWEEN 1 AND 80"),
+        Check("service_accounts_description_length", "char_length(description) <= 1000"),
+        Check("service_accounts_audience_versions",
+              "effective_audience_version >= 0 AND effective_audience_version <= audience_policy_version"),
+        Check("service_accounts_ready_state",
+              "(audience_state = 'ready') = (audience_scan_complete "
+              "AND effective_audience_version = audience_policy_version)"),
+        Check("service_accounts_provisioning_state",
+              "(audience_state = 'provisioning') = (NOT audience_scan_complete)"),
+    ),
+    foreign_keys=(
+        ForeignKey("service_accounts_workspace_fkey", ("workspace_id",), "workspaces", ("id",)),
+        tenant_fk("service_accounts", ("workspace_id", "service_installation_id"), "service_installations",
+                  ("workspace_id", "id"), "installation"),
+        tenant_fk("service_accounts", ("workspace_id", "service_member_id"), "service_members",
+                  ("workspace_id", "id"), "service_member"),
+        member_fk("service_accounts", "author_member_id"),
+        tenant_fk("service_accounts", ("workspace_id", "message_scope_id", "message_scope_type"), "scopes",
+                  ("workspace_id", "id", "type"), "message_scope"),
+        member_fk("service_accounts", "created_by_member_id"),
+    ),
+    indexes=(
+        Index("service_accounts_workspace_name_idx", "workspace_id, normalized_name, id"),
+        # The reconciler's queue: accounts whose audience is behind its policy.
+        Index("service_accounts_audience_pending_idx", "workspace_id, id", where="audience_state <> 'ready'"),
+    ),
+))
+
+service_account_managers = introduced_in(4, Table(
+    "service_account_managers",
+    columns=(
+        Column("id", "text"),
+        Column("workspace_id", "text"),
+        Column("service_account_id", "text"),
+        Column("member_id", "text"),
+        Column("status", "text", default="'active'"),
+        Column("added_by_member_id", "text", nullable=True),
+        Column("added_at", TS, default=NOW),
+        Column("removed_at", TS, nullable=True),
+        Column("removed_by_member_id", "text", nullable=True),
+        Column("removed_reason", "text", nullable=True),
+    ),
+    primary_key=("id",),
+    checks=(
+        id_check("service_account_managers", "id", "sam"),
+        enum_check("service_account_managers", "status", ("active", "removed")),
+        Check("service_account_managers_removed_state",
+              "(status = 'removed') = (removed_at IS NOT NULL AND removed_reason IS NOT NULL)"),
+        Check("service_account_managers_removed_reason",
+              "removed_reason IS NULL OR removed_reason IN ('removed', 'deactivated')"),
+    ),
+    foreign_keys=(
+        tenant_fk("service_account_managers", ("workspace_id", "service_account_id"), "service_accounts",
+                  ("workspace_id", "id"), "service_account"),
+        member_fk("service_account_managers", "member_id"),
+        member_fk("service_account_managers", "added_by_member_id"),
+        member_fk("service_account_managers", "removed_by_member_id"),
+    ),
+    indexes=(
+        Index("service_account_managers_active_key", "service_account_id, member_id", unique=True,
+              where="status = 'active'"),
+        Index("service_account_managers_member_idx", "workspace_id, member_id", where="status = 'active'"),
+        Index("service_account_managers_account_idx", "service_account_id, added_at, id"),
+    ),
+))
+
+service_account_create_requests = introduced_in(4, Table(
+    "service_account_create_requests",
+    columns=(
+        Column("id", "text"),
+        Column("workspace_id", "text"),
+        Column("requested_by_member_id", "text"),
+        # Fixed at submit with the snapshot and its digest: the Approval subject's version.
+        Column("request_version", "integer", default="1"),
+        Column("client_request_id", "text"),
+        Column("payload_snapshot", "jsonb"),
+        Column("payload_digest", "bytea"),
+        Column("authorization_path", "text"),
+        Column("business_state", "text"),
+        Column("approval_instance_id", "text", nullable=True),
+        Column("consumed_decision_version", "integer", nullable=True),
+        Column("action_required_reason", "text", nullable=True),
+        Column("cancel_client_mutation_id", "text", nullable=True),
+        Column("cancel_payload_digest", "bytea", nullable=True),
+        Column("cancel_approval_receipt_ref", "text", nullable=True),
+        Column("cancel_result_version", "integer", nullable=True),
+        Column("created_service_account_id", "text", nullable=True),
+        # Moves with every state change: the cancel's expected version.
+        Column("version", "integer", default="1"),
+        *timestamps(),
+        Column("cancelled_at", TS, nullable=True),
+        Column("fulfilled_at", TS, nullable=True),
+    ),
+    primary_key=("id",),
+    uniques=(
+        Unique("service_account_create_requests_client_key",
+               ("workspace_id", "requested_by_member_id", "client_request_id")),
+        Unique("service_account_create_requests_result_key", ("created_service_account_id",)),
+    ),
+    checks=(
+        id_check("service_account_create_requests", "id", "sar"),
+        enum_check("service_account_create_requests", "authorization_path", ("direct_create", "approval_required")),
+        enum_check("service_account_create_requests", "business_state", SERVICE_ACCOUNT_BUSINESS_STATES),
+        Check("service_account_create_requests_digest_length", "octet_length(payload_digest) = 32"),
+        Check("service_account_create_requests_cancelled_state",
+              "(business_state = 'cancelled') = (cancelled_at IS NOT NULL AND cancel_client_mutation_id IS NOT NULL)"),
+        Check("service_account_create_requests_approval_path",
+              "(authorization_path = 'approval_required') = (approval_instance_id IS NOT NULL)"),
+        Check("service_account_create_requests_versions", "request_version >= 1 AND version >= 1"),
+    ),
+    foreign_keys=(
+        ForeignKey("service_account_create_requests_workspace_fkey", ("workspace_id",), "workspaces", ("id",)),
+        member_fk("service_account_create_requests", "requested_by_member_id"),
+        ForeignKey("service_account_create_requests_account_fkey", ("created_service_account_id",),
+                   "service_accounts", ("id",)),
+    ),
+    indexes=(
+        Index("service_account_create_requests_cancel_key",
+              "workspace_id, requested_by_member_id, cancel_client_mutation_id", unique=True,
+              where="cancel_client_mutation_id IS NOT NULL"),
+        Index("service_account_create_requests_list_idx", "workspace_id, created_at, id"),
+        Index("service_account_create_requests_requester_idx", "workspace_id, requested_by_member_id, created_at, id"),
+    ),
+))
+
+# The deployment-wide serialization row of a normalized name (§2.4) and a workspace's claim on it.
+service_account_name_namespaces = introduced_in(4, Table(
+    "service_account_name_namespaces",
+    columns=(
+        Column("normalized_name", "text"),
+        # A platform account's ownership (the platform issue): exclusive with workspace claims.
+        Column("platform_service_account_id", "text", nullable=True),
+        Column("created_at", TS, default=NOW),
+    ),
+    primary_key=("normalized_name",),
+))
+
+service_account_name_claims = introduced_in(4, Table(
+    "service_account_name_claims",
+    columns=(
+        Column("workspace_id", "text"),
+        Column("normalized_name", "text"),
+        Column("service_account_id", "text"),
+        Column("created_at", TS, default=NOW),
+    ),
+    primary_key=("workspace_id", "normalized_name"),
+    uniques=(Unique("service_account_name_claims_account_key", ("service_account_id",)),),
+    foreign_keys=(
+        ForeignKey("service_account_name_claims_namespace_fkey", ("normalized_name",),
+                   "service_account_name_namespaces", ("normalized_name",)),
+        tenant_fk("service_account_name_claims", ("workspace_id", "service_account_id"), "service_accounts",
+                  ("workspace_id", "id"), "service_account"),
+    ),
+))
+
+# Every governance, authorization and execution fact (§1.2.11, §8.2), written in the mutation's
+# transaction.  The account reference is cleared when the account is deleted; subject id/version stay.
+service_account_audit_events = introduced_in(4, Table(
+    "service_account_audit_events",
+    columns=(
+        Column("id", "text"),
+        Column("workspace_id", "text"),
+        Column("service_account_id", "text", nullable=True),
+        Column("subject_type", "text"),
+        Column("subject_id", "text"),
+        Column("subject_version", "bigint", nullable=True),
+        Column("action", "text"),
+        Column("actor_type", "text"),
+        Column("actor_member_id", "text", nullable=True),
+        Column("permission_basis", "text"),
+        Column("caused_by_member_id", "text", nullable=True),
+        Column("execution_member_id", "text", nullable=True),
+        Column("durable_author_member_id", "text", nullable=True),
+        Column("byline_member_id", "text", nullable=True),
+        Column("message_id", "text", nullable=True),
+        Column("message_version", "integer", nullable=True),
+        Column("correlation_id", "text"),
+        Column("before_digest", "text", nullable=True),
+        Column("after_digest", "text", nullable=True),
+        Column("comment", "text", nullable=True),
+        Column("details", "jsonb", default="'{}'::jsonb"),
+        Column("created_at", TS, default=NOW),
+    ),
+    primary_key=("id",),
+    checks=(
+        id_check("service_account_audit_events", "id", "sae"),
+        enum_check("service_account_audit_events", "subject_type",
+                   ("service_account", "create_request", "approval", "message", "policy")),
+        enum_check("service_account_audit_events", "actor_type", ("human", "service", "system")),
+    ),
+    foreign_keys=(
+        ForeignKey("service_account_audit_events_workspace_fkey", ("workspace_id",), "workspaces", ("id",)),
+        ForeignKey("service_account_audit_events_account_fkey", ("service_account_id",), "service_accounts",
+                   ("id",), on_delete="SET NULL"),
+    ),
+    indexes=(
+        Index("service_account_audit_events_list_idx", "workspace_id, id"),
+        Index("service_account_audit_events_account_idx", "service_account_id, id",
+              where="service_account_id IS NOT NULL"),
+    ),
+))
+
+# Per workspace: the creation policy (§2.3) and the counter of human lifecycle events (§3.3).
+service_account_workspace_policies = introduced_in(4, Table(
+    "service_account_workspace_policies",
+    columns=(
+        Column("workspace_id", "text"),
+        Column("creation_policy", "text", default="'approval_required'"),
+        Column("version", "bigint", default="0"),
+        Column("human_lifecycle_seq", "bigint", default="0"),
+        Column("updated_by_member_id", "text", nullable=True),
+        Column("updated_at", TS, default=NOW),
+    ),
+    primary_key=("workspace_id",),
+    checks=(enum_check("service_account_workspace_policies", "creation_policy",
+                       ("approval_required", "direct_create", "admins_only")),),
+    foreign_keys=(ForeignKey("service_account_workspace_policies_workspace_fkey", ("workspace_id",), "workspaces",
+                             ("id",)),),
+))
+
+# A human became active (joined, re-joined) or inactive (removed) in the workspace: what an audience
+# reconcile applies after its first pass, so a lifecycle change costs O(changed members).
+workspace_human_lifecycle_events = introduced_in(4, Table(
+    "workspace_human_lifecycle_events",
+    columns=(
+        Column("workspace_id", "text"),
+        Column("lifecycle_seq", "bigint"),
+        Column("member_id", "text"),
+        Column("action", "text"),
+        Column("created_at", TS, default=NOW),
+    ),
+    primary_key=("workspace_id", "lifecycle_seq"),
+    checks=(enum_check("workspace_human_lifecycle_events", "action", ("activated", "deactivated")),),
+    foreign_keys=(member_fk("workspace_human_lifecycle_events", "member_id"),),
+))
+
+# The Approval domain (§2.3): one instance per create request, versioned.
+approval_instances = introduced_in(4, Table(
+    "approval_instances",
+    columns=(
+        Column("id", "text"),
+        Column("workspace_id", "text"),
+        Column("subject_type", "text"),
+        Column("subject_ref", "text"),
+        Column("subject_version", "integer"),
+        Column("payload_digest", "bytea"),
+        Column("state", "text", default="'pending'"),
+        Column("version", "integer", default="1"),
+        Column("decided_by_member_id", "text", nullable=True),
+        Column("decision_reason", "text", nullable=True),
+        Column("decided_at", TS, nullable=True),
+        Column("closed_by_mutation_id", "text", nullable=True),
+        *timestamps(),
+    ),
+    primary_key=("id",),
+    uniques=(Unique("approval_instances_subject_key", ("subject_type", "subject_ref", "subject_version")),),
+    checks=(
+        id_check("approval_instances", "id", "apv"),
+        enum_check("approval_instances", "subject_type", ("service_account_create_request",)),
+        enum_check("approval_instances", "state", ("pending", "approved", "rejected", "closed")),
+        Check("approval_instances_decided_state",
+              "(state IN ('approved', 'rejected')) = (decided_at IS NOT NULL AND decided_by_member_id IS NOT NULL)"),
+        Check("approval_instances_closed_state", "(state = 'closed') = (closed_by_mutation_id IS NOT NULL)"),
+    ),
+    foreign_keys=(
+        ForeignKey("approval_instances_workspace_fkey", ("workspace_id",), "workspaces", ("id",)),
+        member_fk("approval_instances", "decided_by_member_id"),
+    ),
+))
+
+# The App Notification intents an approval's events produce (submitted, decided, closed): written with
+# the change, projected after commit into cards, receipts and results, idempotently (a crash replays).
+approval_notification_intents = introduced_in(4, Table(
+    "approval_notification_intents",
+    columns=(
+        Column("id", "text"),
+        Column("workspace_id", "text"),
+        Column("approval_instance_id", "text"),
+        Column("kind", "text"),
+        Column("approval_version", "integer"),
+        Column("status", "text", default="'pending'"),
+        Column("attempts", "integer", default="0"),
+        Column("last_error", "text", nullable=True),
+        Column("created_at", TS, default=NOW),
+        Column("done_at", TS, nullable=True),
+    ),
+    primary_key=("id",),
+    checks=(
+        id_check("approval_notification_intents", "id", "ani"),
+        enum_check("approval_notification_intents", "kind", ("submitted", "decided", "closed")),
+        enum_check("approval_notification_intents", "status", ("pending", "done")),
+        Check("approval_notification_intents_done_state", "(status = 'done') = (done_at IS NOT NULL)"),
+    ),
+    foreign_keys=(ForeignKey("approval_notification_intents_approval_fkey", ("approval_instance_id",),
+                             "approval_instances", ("id",)),),
+    indexes=(Index("approval_notification_intents_pending_idx", "created_at", where="status = 'pending'"),),
+))
+
+# The sidecar of an app card message (scope-model §4.2): its stable notification identity, the business
+# object it shows, and `card_revision` (the mutation key of its updates).
+service_notification_cards = introduced_in(4, Table(
+    "service_notification_cards",
+    columns=(
+        Column("id", "text"),
+        Column("workspace_id", "text"),
+        Column("notification_key", "text"),
+        Column("role", "text"),
+        Column("recipient_member_id", "text"),
+        Column("business_object_type", "text", default="'approval_instance'"),
+        Column("business_object_id", "text"),
+        Column("expected_approval_version", "integer"),
+        Column("card_revision", "integer", default="1"),
+        Column("scope_id", "text"),
+        Column("message_id", "text"),
+        *timestamps(),
+    ),
+    primary_key=("id",),
+    uniques=(Unique("service_notification_cards_notification_key", ("notification_key",)),),
+    checks=(
+        id_check("service_notification_cards", "id", "snc"),
+        enum_check("service_notification_cards", "role", ("reviewer", "receipt", "result")),
+        Check("service_notification_cards_revision", "card_revision >= 1"),
+    ),
+    foreign_keys=(
+        member_fk("service_notification_cards", "recipient_member_id"),
+        tenant_fk("service_notification_cards", ("scope_id", "message_id"), "scope_messages", ("scope_id", "id"),
+                  "message"),
+        ForeignKey("service_notification_cards_approval_fkey", ("business_object_id",), "approval_instances",
+                   ("id",)),
+    ),
+    indexes=(Index("service_notification_cards_object_idx", "business_object_id"),),
+))
+
+# Shared message pins and the top notice of a scope (Message Pin contract; managed by the account's managers).
+scope_message_pins = introduced_in(4, Table(
+    "scope_message_pins",
+    columns=(
+        Column("scope_id", "text"),
+        Column("message_id", "text"),
+        Column("workspace_id", "text"),
+        Column("is_top_notice", "boolean", default="false"),
+        Column("pinned_by_member_id", "text"),
+        Column("pinned_at", TS, default=NOW),
+    ),
+    primary_key=("scope_id", "message_id"),
+    foreign_keys=(
+        tenant_fk("scope_message_pins", ("scope_id", "message_id"), "scope_messages", ("scope_id", "id"), "message"),
+        member_fk("scope_message_pins", "pinned_by_member_id"),
+    ),
+    indexes=(Index("scope_message_pins_top_notice_key", "scope_id", unique=True, where="is_top_notice"),),
+))
+
 SCHEMA = Schema(
     tables=(
         instance_metadata,
@@ -1088,6 +1636,24 @@ SCHEMA = Schema(
         task_collaborator_notification_jobs,
         member_delivery_feeds,
         scope_targeted_deliveries,
+        service_definitions,
+        service_capabilities,
+        service_installations,
+        service_members,
+        service_grants,
+        service_target_bindings,
+        service_accounts,
+        service_account_managers,
+        service_account_create_requests,
+        service_account_name_namespaces,
+        service_account_name_claims,
+        service_account_audit_events,
+        service_account_workspace_policies,
+        workspace_human_lifecycle_events,
+        approval_instances,
+        approval_notification_intents,
+        service_notification_cards,
+        scope_message_pins,
     ),
     versions=(
         Version(1, "tenancy kernel and message domain",
@@ -1102,6 +1668,8 @@ SCHEMA = Schema(
             "WHERE metadata ?| array['recipients', 'quote', 'shared_by_member_id']",
         )),
         Version(3, "routed delivery: per-recipient delivery feeds and the sparse targeted delivery ledger"),
+        Version(4, "workspace service accounts: Service Actor substrate, accounts, create requests, approvals, "
+                   "managers, audit, human lifecycle, shared pins"),
     ),
     extensions=EXTENSIONS,
 )

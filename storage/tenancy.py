@@ -16,6 +16,7 @@ from datetime import datetime
 
 import asyncpg
 
+from storage import human_lifecycle
 from storage.errors import Conflict, Forbidden, NotFound, WriteFenced
 from storage.ids import new_id
 
@@ -164,6 +165,7 @@ async def add_human_member(conn: asyncpg.Connection, workspace_id: str, account_
             "UPDATE members SET status = 'active', updated_at = now() WHERE workspace_id = $1 AND id = $2",
             workspace_id, existing["member_id"],
         )
+        await human_lifecycle.record_human_lifecycle(conn, workspace_id, existing["member_id"], "activated")
         return existing["id"], existing["member_id"]
     membership_id, member_id = new_id("wmb"), new_id("mem")
     await conn.execute(
@@ -177,6 +179,7 @@ async def add_human_member(conn: asyncpg.Connection, workspace_id: str, account_
         "VALUES ($1, $2, 'human', $3, $4, $5, $6)",
         member_id, workspace_id, account_id, membership_id, handle, account["display_name"],
     )
+    await human_lifecycle.record_human_lifecycle(conn, workspace_id, member_id, "activated")
     return membership_id, member_id
 
 
@@ -482,6 +485,7 @@ async def remove_member(conn: asyncpg.Connection, workspace_id: str, target: asy
         "UPDATE members SET status = 'removed', updated_at = now() WHERE workspace_id = $1 AND id = $2",
         workspace_id, target["id"],
     )
+    await human_lifecycle.record_human_lifecycle(conn, workspace_id, target["id"], "deactivated")
     await notify_auth_change(conn, "membership", workspace_id=workspace_id, member_id=target["id"])
 
 

@@ -16,7 +16,10 @@ def test_definition_is_well_formed():
 
 
 def test_every_tenant_table_has_a_non_null_workspace_id():
-    global_tables = {"instance_metadata", "accounts", "local_credentials", "workspaces"}
+    # Deployment-level by the seeds: the shared Service Actor product registrations and the name
+    # namespace that serializes workspace and platform service-account names (service-account §2.1, §2.4).
+    global_tables = {"instance_metadata", "accounts", "local_credentials", "workspaces", "service_definitions",
+                     "service_capabilities", "service_account_name_namespaces"}
     for table in SCHEMA.tables:
         if table.name in global_tables:
             continue

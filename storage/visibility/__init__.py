@@ -138,3 +138,20 @@ async def departed_among(conn: asyncpg.Connection, workspace_id: str, scope_id: 
         workspace_id, scope_id, member_ids,
     )
     return [r["member_id"] for r in rows]
+
+
+# --- a service account's audience (service-account.md §3) -----------------------------------------------
+
+async def open_members_among(conn: asyncpg.Connection, scope_id: str, member_ids: list[str]) -> set[str]:
+    """Which of `member_ids` hold an open membership in the scope (the reconciler's diff)."""
+    rows = await conn.fetch(
+        "SELECT member_id FROM scope_memberships WHERE scope_id = $1 AND member_id = ANY($2::text[]) "
+        "AND effective_to_seq IS NULL",
+        scope_id, member_ids,
+    )
+    return {r["member_id"] for r in rows}
+
+
+async def open_member_count(conn: asyncpg.Connection, scope_id: str) -> int:
+    """Members the scope's messages reach now."""
+    return await conn.fetchval(f"SELECT count(*) FROM {ENTITLED_MEMBERSHIPS} r WHERE r.scope_id = $1", scope_id)

@@ -1,0 +1,29 @@
+"""Service-account identities shared by storage, actors and the server (service-account.md §2.1, §2.5)."""
+
+from __future__ import annotations
+
+SERVICE_ACCOUNT_SLUG = "service-account"
+APPROVALS_SLUG = "approvals"
+CONVERSATION_PREFIX = "serviceAccount:"
+POST_MESSAGE_TYPE = "service_account_post"
+CARD_MESSAGE_TYPE = "app_interactive_card"
+NOTIFICATION_MESSAGE_TYPE = "app_notification"
+# Message types only the server writes: a client's message.send may not use them.
+SERVER_WRITTEN_TYPES = frozenset({POST_MESSAGE_TYPE, CARD_MESSAGE_TYPE, NOTIFICATION_MESSAGE_TYPE})
+
+
+def normalize_name(name: str) -> str:
+    """Names are unique per workspace after trim + casefold (§2.1)."""
+    return name.strip().casefold()
+
+
+def identity_key(workspace_id: str, principal_id: str) -> str:
+    return f"service_account:{workspace_id}:{principal_id}"
+
+
+def conversation_id(scope_id: str) -> str:
+    return f"{CONVERSATION_PREFIX}{scope_id}"
+
+
+def target_id(account_id: str) -> str:
+    return f"service-account:{account_id}"
