@@ -1374,8 +1374,9 @@ service_account_create_requests = introduced_in(4, Table(
         Index("service_account_create_requests_cancel_key",
               "workspace_id, requested_by_member_id, cancel_client_mutation_id", unique=True,
               where="cancel_client_mutation_id IS NOT NULL"),
-        Index("service_account_create_requests_list_idx", "workspace_id, created_at, id"),
-        Index("service_account_create_requests_requester_idx", "workspace_id, requested_by_member_id, created_at, id"),
+        # The request lists, newest first (ids sort by creation time).
+        Index("service_account_create_requests_list_idx", "workspace_id, id"),
+        Index("service_account_create_requests_requester_idx", "workspace_id, requested_by_member_id, id"),
     ),
 ))
 
@@ -1549,7 +1550,11 @@ approval_notification_intents = introduced_in(4, Table(
     ),
     foreign_keys=(ForeignKey("approval_notification_intents_approval_fkey", ("approval_instance_id",),
                              "approval_instances", ("id",)),),
-    indexes=(Index("approval_notification_intents_pending_idx", "created_at", where="status = 'pending'"),),
+    indexes=(
+        Index("approval_notification_intents_pending_idx", "created_at", where="status = 'pending'"),
+        Index("approval_notification_intents_approval_idx", "approval_instance_id, created_at",
+              where="status = 'pending'"),
+    ),
 ))
 
 # The sidecar of an app card message (scope-model §4.2): its stable notification identity, the business

@@ -671,21 +671,30 @@ class Submitted:
     replayed: bool
 
 
+async def _submitted_before(conn: asyncpg.Connection, workspace_id: str, requester: str, client_request_id: str,
+                            digest: bytes) -> Submitted | None:
+    """The request this client id already made: replayed for the same payload, a conflict for another."""
+    existing = await conn.fetchrow(
+        f"SELECT {REQUEST_COLUMNS} FROM service_account_create_requests r WHERE r.workspace_id = $1 "
+        "AND r.requested_by_member_id = $2 AND r.client_request_id = $3",
+        workspace_id, requester, client_request_id,
+    )
+    if existing is None:
+        return None
+    if bytes(existing["payload_digest"]) != digest:
+        raise Conflict("idempotency_conflict", "same client_request_id, different payload")
+    return Submitted(existing, None, existing["approval_instance_id"], True)
+
+
 async def submit_request(conn: asyncpg.Connection, *, workspace_id: str, requester: str, governor: bool,
                          client_request_id: str, name: str, description: str, correlation_id: str) -> Submitted:
     """A create request (§2.3): replayed for the same client id and payload; under the creation policy
     either created at once (direct_create) or sent for approval (approval_required)."""
     snapshot = {"name": name, "description": description}
     digest = payload_digest(snapshot)
-    existing = await conn.fetchrow(
-        f"SELECT {REQUEST_COLUMNS} FROM service_account_create_requests r WHERE r.workspace_id = $1 "
-        "AND r.requested_by_member_id = $2 AND r.client_request_id = $3",
-        workspace_id, requester, client_request_id,
-    )
+    existing = await _submitted_before(conn, workspace_id, requester, client_request_id, digest)
     if existing is not None:
-        if bytes(existing["payload_digest"]) != digest:
-            raise Conflict("idempotency_conflict", "same client_request_id, different payload")
-        return Submitted(existing, None, existing["approval_instance_id"], True)
+        return existing
     creation_policy, _ = await policy(conn, workspace_id)
     if governor or creation_policy == "direct_create":
         path = "direct_create"
@@ -697,14 +706,14 @@ async def submit_request(conn: asyncpg.Connection, *, workspace_id: str, request
         raise Conflict("name_taken", "a service account with this name exists")
     request_id = new_id("sar")
     approval_id = new_id("apv") if path == "approval_required" else None
-    if approval_id is not None:
-        await conn.execute(
-            "INSERT INTO approval_instances (id, workspace_id, subject_type, subject_ref, subject_version, "
-            "payload_digest) VALUES ($1, $2, 'service_account_create_request', $3, 1, $4)",
-            approval_id, workspace_id, request_id, digest,
-        )
     try:
         async with conn.transaction():
+            if approval_id is not None:
+                await conn.execute(
+                    "INSERT INTO approval_instances (id, workspace_id, subject_type, subject_ref, subject_version, "
+                    "payload_digest) VALUES ($1, $2, 'service_account_create_request', $3, 1, $4)",
+                    approval_id, workspace_id, request_id, digest,
+                )
             await conn.execute(
                 "INSERT INTO service_account_create_requests (id, workspace_id, requested_by_member_id, "
                 "client_request_id, payload_snapshot, payload_digest, authorization_path, business_state, "
@@ -713,8 +722,11 @@ async def submit_request(conn: asyncpg.Connection, *, workspace_id: str, request
                 "awaiting_authorization" if approval_id else "authorized", approval_id,
             )
     except asyncpg.UniqueViolationError:
-        # The same client id committed concurrently: answer as its retry would.
-        raise Conflict("request_in_flight", "the same client_request_id is being submitted; retry") from None
+        # The same client id committed concurrently (the insert waited for it): answer as its retry.
+        existing = await _submitted_before(conn, workspace_id, requester, client_request_id, digest)
+        if existing is None:
+            raise
+        return existing
     await record_audit(conn, workspace_id=workspace_id, service_account_id=None, subject_type="create_request",
                        subject_id=request_id, subject_version=1, action="create_request.submitted",
                        actor_type="human", actor_member_id=requester,
@@ -755,6 +767,7 @@ async def cancel_request(conn: asyncpg.Connection, *, workspace_id: str, request
     """Cancel before materialization (§2.3): closes the approval and queues one card-update intent.
     Idempotent by (requester, client_mutation_id).  Returns (request, replayed)."""
     cancel_digest = payload_digest({"request_id": request_id, "expected_version": expected_version})
+    row = await request(conn, workspace_id, request_id, lock=True)  # a concurrent retry waits here, then replays
     done = await conn.fetchrow(
         f"SELECT {REQUEST_COLUMNS} FROM service_account_create_requests r WHERE r.workspace_id = $1 "
         "AND r.requested_by_member_id = $2 AND r.cancel_client_mutation_id = $3",
@@ -764,7 +777,6 @@ async def cancel_request(conn: asyncpg.Connection, *, workspace_id: str, request
         if done["id"] != request_id or bytes(done["cancel_payload_digest"]) != cancel_digest:
             raise Conflict("idempotency_conflict", "same client_mutation_id, different cancel")
         return done, True
-    row = await request(conn, workspace_id, request_id, lock=True)
     if row["created_service_account_id"] is not None:
         raise AlreadyMaterialized(row["created_service_account_id"])
     if row["version"] != expected_version:

@@ -14,7 +14,7 @@ import trio
 import trio_websocket
 
 from client import connect
-from protocol import conformance, frames, guide
+from protocol import conformance, frames, guide, service_accounts
 from protocol.events import EVENTS
 from protocol.results import RESULTS
 from server import app as server_app
@@ -223,7 +223,8 @@ async def test_every_event_type_is_produced_with_its_typed_payload(app: App, ten
         await owner.call("scope.archive", **scope)
         seen: dict[str, list[dict]] = {}
         with trio.fail_after(30):
-            while not set(EVENTS) <= set(seen):  # withdrawal fans out through the outbox, so in any order
+            # withdrawal fans out through the outbox, so in any order
+            while not set(EVENTS) - set(service_accounts.EVENTS) <= set(seen):
                 event = await b.next_event()
                 seen.setdefault(event["event"], []).append(event)
     for name, received in seen.items():
@@ -234,6 +235,51 @@ async def test_every_event_type_is_produced_with_its_typed_payload(app: App, ten
     assert {"action": "close", "reason": "departed", "member_id": carol.member_id}.items() <= \
         seen["membership.changed"][-1]["data"].items()
     assert seen["message.withdrawn"][0]["data"]["content"] == ""
+
+
+async def test_every_service_account_event_is_produced_with_its_typed_payload(app: App, tenants,
+                                                                              member_password_hash):
+    """The service-account events (the test above covers the rest of EVENTS)."""
+    alpha, _ = tenants
+    ws = {"workspace_id": alpha.workspace_id}
+    bob = await add_person(app.db, alpha.workspace_id, "bob@example.com", "developer", member_password_hash)
+    seen: dict[str, list[dict]] = {}
+
+    async def until(b, name: str) -> dict:
+        with trio.fail_after(30):
+            while name not in seen:
+                event = await b.next_event()
+                seen.setdefault(event["event"], []).append(event)
+        return seen[name][-1]
+
+    async with await signed_in(app, alpha.owner) as owner, await signed_in(app, bob) as b:
+        await b.call("subscribe", workspace_feed=True, **ws)
+        approved = await b.call("service_account.request.submit", client_request_id="r1", name="News", **ws)
+        await owner.call("approval.decide", approval_id=approved["approval_id"], decision="approve",
+                         expected_version=1, **ws)
+        account_id = (await until(b, "service_account.created"))["data"]["service_account_id"]
+        await until(b, "service_account.create_request.changed")  # fulfilled: the audience is ready
+        rejected = await b.call("service_account.request.submit", client_request_id="r2", name="Other", **ws)
+        await owner.call("approval.decide", approval_id=rejected["approval_id"], decision="reject",
+                         expected_version=1, **ws)
+        cancelled = await b.call("service_account.request.submit", client_request_id="r3", name="Third", **ws)
+        await b.call("service_account.request.cancel", request_id=cancelled["id"], expected_version=1,
+                     client_mutation_id="c3", **ws)
+        post = await b.call("service_account.post", service_account_id=account_id, title="Hello", content="Hi",
+                            client_message_id="3f2b8a1e-0c4d-4e5f-9a6b-7c8d9e0f1a2b", **ws)
+        await b.call("pin.add", message_id=post["id"], **ws)
+        await owner.call("service_account.managers.add", service_account_id=account_id,
+                         member_id=alpha.owner.member_id, **ws)
+        detail = await b.call("service_account.update", service_account_id=account_id, expected_version=2,
+                              description="Company news", **ws)
+        await b.call("service_account.delete", service_account_id=account_id, expected_version=detail["version"],
+                     **ws)
+        for name in service_accounts.EVENTS:
+            await until(b, name)
+    for name, received in seen.items():
+        for event in received:
+            assert conformance.problem(event) is None
+            msgspec.convert(event["data"], EVENTS[name])
 
 
 async def test_a_handler_straying_from_the_result_table_answers_internal(app: App, monkeypatch):
