@@ -582,6 +582,9 @@ def _card(view: Any, role: str, state: str, approval_version: int) -> tuple[str,
                 "approved": f"Approved: service account “{name}”.",
                 "rejected": f"Rejected: service account “{name}”.",
                 "closed": f"Withdrawn by the requester: service account “{name}”."}[state]
+    elif state == "approved" and view["business_state"] == "action_required":
+        text = (f"Your request for the service account “{name}” was approved but could not be carried out "
+                f"({view['action_required_reason']}); cancel it and submit a new one.")
     else:
         text = {"pending": f"Your request for the service account “{name}” is waiting for approval.",
                 "approved": f"Your service account “{name}” was approved.",
