@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 SERVICE_ACCOUNT_SLUG = "service-account"
 APPROVALS_SLUG = "approvals"
 CONVERSATION_PREFIX = "serviceAccount:"
@@ -27,3 +29,22 @@ def conversation_id(scope_id: str) -> str:
 
 def target_id(account_id: str) -> str:
     return f"service-account:{account_id}"
+
+
+@dataclass(frozen=True)
+class ManagerChange:
+    """A manager assignment a human lifecycle change ended or created (the fallback owner)."""
+
+    service_account_id: str
+    member_id: str
+    action: str  # added | removed
+    reason: str  # deactivated | fallback
+    version: int
+
+
+@dataclass
+class LifecycleChange:
+    """What one human lifecycle change did to the workspace's service accounts."""
+
+    lifecycle_seq: int
+    manager_changes: list[ManagerChange] = field(default_factory=list)

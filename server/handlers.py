@@ -160,9 +160,10 @@ async def member_set_role(server: Server, connection: Connection, request: f.Mem
 
 async def member_remove(server: Server, connection: Connection, request: f.MemberRemove,
                         ctx: RequestContext) -> f.Ok:
-    await ops.remove_member(server.db, ctx, request.member_id)
+    change = await ops.remove_member(server.db, ctx, request.member_id)
     # After the removal committed: its scope memberships close through their actors.
     await messaging.close_departed_member(server, ctx.workspace.workspace_id, request.member_id)
+    await service_accounts.announce_manager_changes(server, ctx.workspace.workspace_id, change.manager_changes)
     return f.Ok()
 
 

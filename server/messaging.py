@@ -636,12 +636,23 @@ def scope_of_conversation(conversation_id: str) -> str:
     return scope_id
 
 
+async def conversation_scope(server: Server, ctx: RequestContext,
+                             conversation_id: str) -> tuple[WorkspaceContext, asyncpg.Record]:
+    """The readable scope of a conversation id; `serviceAccount:` names only a service account's."""
+    workspace, row = await _scope(server, ctx, scope_of_conversation(conversation_id), Permission.MESSAGE_READ)
+    if conversation_id.startswith(CONVERSATION_PREFIX) and row["type"] != "service_account":
+        raise _not_found("conversation")
+    return workspace, row
+
+
 async def conversation_action(server: Server, connection: Connection, request: f.ConversationAction,
                               ctx: RequestContext) -> f.Ok:
     if (request.scope_id is None) == (request.conversation_id is None):
         raise ProtocolError(ErrorCode.INVALID, "give scope_id or conversation_id", details={"field": "scope_id"})
-    scope_id = request.scope_id or scope_of_conversation(request.conversation_id)
-    workspace, row = await _scope(server, ctx, scope_id, Permission.MESSAGE_READ)
+    if request.scope_id is not None:
+        workspace, row = await _scope(server, ctx, request.scope_id, Permission.MESSAGE_READ)
+    else:
+        workspace, row = await conversation_scope(server, ctx, request.conversation_id)
     actor = _actor(workspace)
     action = request.action
     if action in ("mute", "unmute"):

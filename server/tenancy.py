@@ -17,6 +17,7 @@ import trio
 
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.validation import name_text_problem
+from domain.service_accounts import LifecycleChange
 from server.auth import Authenticator, Session, normalize_email
 from server.context import Principal, RequestContext, WorkspaceContext
 from server.credentials import (
@@ -189,18 +190,18 @@ async def set_member_role(db: Database, ctx: RequestContext, member_id: str, rol
     await _write(db, workspace, unit)
 
 
-async def remove_member(db: Database, ctx: RequestContext, member_id: str) -> None:
+async def remove_member(db: Database, ctx: RequestContext, member_id: str) -> LifecycleChange:
     workspace = ctx.require(Permission.MEMBER_REMOVE)
     _require_id(member_id, "mem", "member")
 
-    async def unit(conn: asyncpg.Connection) -> None:
+    async def unit(conn: asyncpg.Connection) -> LifecycleChange:
         target = await tenancy.lock_membership_target(conn, workspace.workspace_id, member_id)
         actor_role = await _actor_role_under_lock(conn, workspace)
         if not may_remove(actor_role, Role(target["role"])):
             raise _forbidden(f"a {actor_role.value} cannot remove a {target['role']}")
-        await tenancy.remove_member(conn, workspace.workspace_id, target)
+        return await tenancy.remove_member(conn, workspace.workspace_id, target)
 
-    await _write(db, workspace, unit)
+    return await _write(db, workspace, unit)
 
 
 async def transfer_owner(db: Database, ctx: RequestContext, member_id: str) -> None:

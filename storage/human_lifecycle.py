@@ -21,6 +21,7 @@ from typing import Any
 
 import asyncpg
 
+from domain.service_accounts import LifecycleChange, ManagerChange
 from storage.ids import new_id
 
 # NOTIFY'd (payload: the workspace id) by every change an audience reconciler must apply.
@@ -64,9 +65,10 @@ async def lock_workspace_policy(conn: asyncpg.Connection, workspace_id: str) -> 
     )
 
 
-async def record_human_lifecycle(conn: asyncpg.Connection, workspace_id: str, member_id: str, action: str) -> int:
+async def record_human_lifecycle(conn: asyncpg.Connection, workspace_id: str, member_id: str,
+                                 action: str) -> LifecycleChange:
     """Number the change, move every account's audience policy to it and, when
-    the human leaves, end their manager assignments.  Returns the lifecycle seq."""
+    the human leaves, end their manager assignments."""
     policy = await lock_workspace_policy(conn, workspace_id)
     seq = policy["human_lifecycle_seq"] + 1
     await conn.execute(
@@ -84,10 +86,12 @@ async def record_human_lifecycle(conn: asyncpg.Connection, workspace_id: str, me
         "WHERE workspace_id = $1",
         workspace_id, seq,
     )
+    change = LifecycleChange(seq)
     if action == "deactivated":
-        await _end_manager_assignments(conn, workspace_id, member_id, f"human_lifecycle:{workspace_id}:{seq}")
+        change.manager_changes = await _end_manager_assignments(conn, workspace_id, member_id,
+                                                                f"human_lifecycle:{workspace_id}:{seq}")
     await notify_audience(conn, workspace_id)
-    return seq
+    return change
 
 
 async def notify_audience(conn: asyncpg.Connection, workspace_id: str) -> None:
@@ -96,7 +100,8 @@ async def notify_audience(conn: asyncpg.Connection, workspace_id: str) -> None:
 
 
 async def _end_manager_assignments(conn: asyncpg.Connection, workspace_id: str, member_id: str,
-                                   correlation_id: str) -> None:
+                                   correlation_id: str) -> list[ManagerChange]:
+    changes: list[ManagerChange] = []
     ended = await conn.fetch(
         "UPDATE service_account_managers SET status = 'removed', removed_at = now(), removed_reason = 'deactivated' "
         "WHERE workspace_id = $1 AND member_id = $2 AND status = 'active' RETURNING service_account_id",
@@ -113,6 +118,7 @@ async def _end_manager_assignments(conn: asyncpg.Connection, workspace_id: str, 
                            action="manager.removed", actor_type="system", actor_member_id=None,
                            permission_basis="workspace_human_lifecycle", correlation_id=correlation_id,
                            details={"member_id": member_id, "reason": "deactivated"})
+        changes.append(ManagerChange(account_id, member_id, "removed", "deactivated", version))
         if await conn.fetchval("SELECT count(*) FROM service_account_managers WHERE service_account_id = $1 "
                                "AND status = 'active'", account_id):
             continue
@@ -135,3 +141,5 @@ async def _end_manager_assignments(conn: asyncpg.Connection, workspace_id: str, 
                            action="manager.fallback_assigned", actor_type="system", actor_member_id=None,
                            permission_basis="manager_invariant", correlation_id=correlation_id,
                            details={"member_id": owner, "replaces_member_id": member_id})
+        changes.append(ManagerChange(account_id, owner, "added", "fallback", version))
+    return changes

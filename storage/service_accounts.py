@@ -413,12 +413,11 @@ async def managers(conn: asyncpg.Connection, account_id: str, include_removed: b
 async def add_manager(conn: asyncpg.Connection, workspace_id: str, account_id: str, member_id: str,
                       actor_member_id: str, basis: str, correlation_id: str) -> tuple[asyncpg.Record, int]:
     await account(conn, workspace_id, account_id, lock=True)
-    human = await conn.fetchval(
-        "SELECT EXISTS (SELECT 1 FROM members WHERE workspace_id = $1 AND id = $2 AND kind = 'human' "
-        "AND status = 'active')",
-        workspace_id, member_id,
-    )
-    if not human:
+    member = await conn.fetchrow("SELECT kind, status FROM members WHERE workspace_id = $1 AND id = $2",
+                                 workspace_id, member_id)
+    if member is None:
+        raise NotFound("member")
+    if member["kind"] != "human" or member["status"] != "active":
         raise Conflict("not_an_active_human", "only an active human can manage a service account")
     if await is_manager(conn, account_id, member_id):
         raise Conflict("already_manager", "already a manager")
@@ -516,6 +515,7 @@ async def reconcile_step(conn: asyncpg.Connection, scope_id: str, batch: int) ->
     """The next batch of the audience reconcile of the account owning `scope_id` (None: nothing to do).
     First pass: the next `batch` active humans by member id after the checkpoint; then the human
     lifecycle events after the applied version, each judged by the member's current state."""
+    await conn.execute("SELECT 1 FROM workspaces w JOIN scopes s ON s.workspace_id = w.id WHERE s.id = $1 FOR KEY SHARE OF w", scope_id)
     row = await conn.fetchrow(
         "SELECT id, workspace_id, audience_scan_complete, audience_scan_cursor, effective_audience_version, "
         "audience_policy_version, audience_state FROM service_accounts WHERE message_scope_id = $1 FOR UPDATE",
@@ -526,7 +526,7 @@ async def reconcile_step(conn: asyncpg.Connection, scope_id: str, batch: int) ->
     workspace_id = row["workspace_id"]
     if not row["audience_scan_complete"]:
         humans = [r["id"] for r in await conn.fetch(
-            "SELECT id FROM members WHERE workspace_id = $1 AND kind = 'human' AND status = 'active' AND id > $2 "
+            "SELECT id FROM members WHERE workspace_id = $1 AND kind <> 'service' AND status = 'active' AND id > $2 "
             "ORDER BY id LIMIT $3",
             workspace_id, row["audience_scan_cursor"], batch)]
         already = await visibility.open_members_among(conn, scope_id, humans)
@@ -840,10 +840,10 @@ async def decide(conn: asyncpg.Connection, *, workspace_id: str, approver: str, 
     row = await request(conn, workspace_id, subject["subject_ref"], lock=True)
     current = await conn.fetchrow(f"SELECT {APPROVAL_COLUMNS} FROM approval_instances WHERE id = $1 FOR UPDATE",
                                   approval_id)
-    if current["version"] != expected_version:
-        raise Conflict("version_mismatch", f"the approval is at version {current['version']}")
     if current["state"] != "pending":
         raise Conflict("approval_closed", f"the approval is {current['state']}")
+    if current["version"] != expected_version:
+        raise Conflict("version_mismatch", f"the approval is at version {current['version']}")
     version = current["version"] + 1
     await conn.execute(
         "UPDATE approval_instances SET state = $2, version = $3, decided_by_member_id = $4, decision_reason = $5, "

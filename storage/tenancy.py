@@ -16,6 +16,7 @@ from datetime import datetime
 
 import asyncpg
 
+from domain.service_accounts import LifecycleChange
 from storage import human_lifecycle
 from storage.errors import Conflict, Forbidden, NotFound, WriteFenced
 from storage.ids import new_id
@@ -470,8 +471,10 @@ async def set_role(conn: asyncpg.Connection, workspace_id: str, target: asyncpg.
     await notify_auth_change(conn, "membership", workspace_id=workspace_id, member_id=target["id"])
 
 
-async def remove_member(conn: asyncpg.Connection, workspace_id: str, target: asyncpg.Record) -> None:
-    """Caller has locked with lock_membership_target and checked RBAC."""
+async def remove_member(conn: asyncpg.Connection, workspace_id: str,
+                        target: asyncpg.Record) -> LifecycleChange:
+    """Caller has locked with lock_membership_target and checked RBAC.  Returns what
+    the removal did to service accounts (manager assignments it ended)."""
     if target["membership_status"] != "active":
         raise Conflict("inactive_member", "the membership is not active")
     if target["role"] == "owner" and await _active_owner_count(conn, workspace_id) <= 1:
@@ -485,8 +488,9 @@ async def remove_member(conn: asyncpg.Connection, workspace_id: str, target: asy
         "UPDATE members SET status = 'removed', updated_at = now() WHERE workspace_id = $1 AND id = $2",
         workspace_id, target["id"],
     )
-    await human_lifecycle.record_human_lifecycle(conn, workspace_id, target["id"], "deactivated")
+    change = await human_lifecycle.record_human_lifecycle(conn, workspace_id, target["id"], "deactivated")
     await notify_auth_change(conn, "membership", workspace_id=workspace_id, member_id=target["id"])
+    return change
 
 
 async def transfer_owner(conn: asyncpg.Connection, workspace_id: str, from_member_id: str, to_member_id: str) -> None:

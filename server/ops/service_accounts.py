@@ -26,13 +26,13 @@ from actors import scope_actor as cmd
 from actors import service_accounts as sa_cmd
 from actors.fanout import CommittedEvent
 from domain.plan import ActorContext, MembershipMutation, MessageIntent
-from domain.service_accounts import CARD_MESSAGE_TYPE, NOTIFICATION_MESSAGE_TYPE
+from domain.service_accounts import CARD_MESSAGE_TYPE, NOTIFICATION_MESSAGE_TYPE, ManagerChange
 from protocol import frames as f
 from protocol import service_accounts as s
 from protocol.errors import ErrorCode, ProtocolError
 from server.context import RequestContext, WorkspaceContext
-from server.messaging import (SYSTEM_ACTOR, _actor, _check_id, _message_scope, _ms, _scope, _submit, ensure_dm,
-                              message_info, scope_of_conversation)
+from server.messaging import (SYSTEM_ACTOR, _actor, _check_id, _message_scope, _ms, _scope, _submit,
+                              conversation_scope, ensure_dm, message_info, scope_of_conversation)
 from server.rbac import Permission, Role
 from server.service_profiles import author_profile, with_profile
 from storage import tenancy
@@ -428,15 +428,33 @@ async def _change_manager(server: Server, workspace: WorkspaceContext, account_i
     member_id = _check_id(member_id, "mem", "member")
     before = await _watchers(server, workspace.workspace_id, account["id"])
     change = store.add_manager if add else store.remove_manager
-    row, version = await _in_workspace(server, workspace, lambda conn: change(
-        conn, workspace.workspace_id, account["id"], member_id, workspace.member_id, _basis(workspace, manager),
-        _correlation()))
+    try:
+        row, version = await _in_workspace(server, workspace, lambda conn: change(
+            conn, workspace.workspace_id, account["id"], member_id, workspace.member_id, _basis(workspace, manager),
+            _correlation()))
+    except Conflict as exc:
+        if exc.reason != "not_an_active_human":
+            raise
+        raise ProtocolError(ErrorCode.INVALID, str(exc), details={"reason": exc.reason}) from None
     info = manager_info(row)
     _publish(server, workspace.workspace_id, "service_account.manager_changed", s.ManagerChanged(
         service_account_id=account["id"], member_id=member_id, action="added" if add else "removed",
         version=version, reason=None if add else "removed"),
         before | await _watchers(server, workspace.workspace_id, account["id"]), account["message_scope_id"])
     return info
+
+
+async def announce_manager_changes(server: Server, workspace_id: str, changes: list[ManagerChange]) -> None:
+    """`service_account.manager_changed` for the assignments a human's removal ended or handed over."""
+    for change in changes:
+        try:
+            watchers = await _watchers(server, workspace_id, change.service_account_id)
+        except StorageError as exc:
+            log.warning("announcing a manager change failed", extra={"error": str(exc)})
+            return
+        _publish(server, workspace_id, "service_account.manager_changed", s.ManagerChanged(
+            service_account_id=change.service_account_id, member_id=change.member_id, action=change.action,
+            version=change.version, reason=change.reason), watchers | {change.member_id})
 
 
 async def manager_add(server: Server, connection: Connection, request: s.ManagerAdd,
@@ -548,11 +566,12 @@ async def mark_read_many(server: Server, connection: Connection, request: s.Conv
     if len(set(ids)) != len(ids):
         raise ProtocolError(ErrorCode.INVALID, "each conversation at most once",
                             details={"reason": "duplicate_conversation"})
-    scope_ids = [scope_of_conversation(i) for i in ids]  # every id well-formed before anything moves
+    for conversation_id in ids:  # every id well-formed before anything moves
+        scope_of_conversation(conversation_id)
     results = []
-    for item, scope_id in zip(request.items, scope_ids):
+    for item in request.items:
         try:
-            workspace, row = await _scope(server, ctx, scope_id, Permission.MESSAGE_READ)
+            workspace, row = await conversation_scope(server, ctx, item.conversation_id)
             outcome = await _submit(server, row["id"], cmd.MarkRead(_actor(workspace), item.read_through_seq))
         except ProtocolError as exc:
             if exc.code not in (ErrorCode.NOT_FOUND, ErrorCode.FORBIDDEN):
