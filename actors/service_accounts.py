@@ -148,6 +148,20 @@ async def _own_post(conn: asyncpg.Connection, state: ScopeContext, account: asyn
     return row
 
 
+async def _audit_change(conn: asyncpg.Connection, state: ScopeContext, account: asyncpg.Record,
+                        command: ServicePostEdit | ServicePostWithdraw, revision: int, action: str,
+                        comment: str | None) -> None:
+    """A manager's edit or withdrawal of the account's post: the manager acts, the account stays the author."""
+    manager = command.actor.member_id
+    await record_audit(conn, workspace_id=state.workspace_id, service_account_id=account["id"],
+                       subject_type="message", subject_id=command.message_id, subject_version=revision,
+                       action=action, actor_type="human", actor_member_id=manager,
+                       permission_basis=_audit_basis(account), correlation_id=command.correlation_id,
+                       caused_by_member_id=manager, execution_member_id=manager,
+                       durable_author_member_id=account["author_member_id"], message_id=command.message_id,
+                       message_version=revision, comment=comment)
+
+
 @register_command(ServicePostEdit)
 async def edit(actor: ScopeActor, conn: asyncpg.Connection, state: ScopeContext,
                command: ServicePostEdit) -> Outcome:
@@ -158,13 +172,7 @@ async def edit(actor: ScopeActor, conn: asyncpg.Connection, state: ScopeContext,
     row = await applier.edit_message(conn, state.scope_id, command.message_id, command.actor.member_id,
                                      command.content, command.expected_revision,
                                      command.actor.execution_generation, metadata)
-    await record_audit(conn, workspace_id=state.workspace_id, service_account_id=account["id"],
-                       subject_type="message", subject_id=command.message_id, subject_version=row["revision"],
-                       action="message.edited", actor_type="human", actor_member_id=command.actor.member_id,
-                       permission_basis=_audit_basis(account), correlation_id=command.correlation_id,
-                       caused_by_member_id=command.actor.member_id, execution_member_id=command.actor.member_id,
-                       durable_author_member_id=account["author_member_id"], message_id=command.message_id,
-                       message_version=row["revision"], comment=command.reason or None)
+    await _audit_change(conn, state, account, command, row["revision"], "message.edited", command.reason or None)
     outcome = Outcome(row)
     outcome.wakes_worker = True  # message.edited leaves through the outbox
     return outcome
@@ -178,13 +186,7 @@ async def withdraw(actor: ScopeActor, conn: asyncpg.Connection, state: ScopeCont
     row = await applier.withdraw_message(conn, state.scope_id, command.message_id, command.actor.member_id,
                                          command.actor.execution_generation, command.expected_revision)
     await store.delete_pin(conn, state.scope_id, command.message_id)
-    await record_audit(conn, workspace_id=state.workspace_id, service_account_id=account["id"],
-                       subject_type="message", subject_id=command.message_id, subject_version=row["revision"],
-                       action="message.withdrawn", actor_type="human", actor_member_id=command.actor.member_id,
-                       permission_basis=_audit_basis(account), correlation_id=command.correlation_id,
-                       caused_by_member_id=command.actor.member_id, execution_member_id=command.actor.member_id,
-                       durable_author_member_id=account["author_member_id"], message_id=command.message_id,
-                       message_version=row["revision"], comment=command.reason)
+    await _audit_change(conn, state, account, command, row["revision"], "message.withdrawn", command.reason)
     outcome = Outcome(row)
     outcome.wakes_worker = True
     return outcome
