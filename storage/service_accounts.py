@@ -515,7 +515,6 @@ async def reconcile_step(conn: asyncpg.Connection, scope_id: str, batch: int) ->
     """The next batch of the audience reconcile of the account owning `scope_id` (None: nothing to do).
     First pass: the next `batch` active humans by member id after the checkpoint; then the human
     lifecycle events after the applied version, each judged by the member's current state."""
-    await conn.execute("SELECT 1 FROM workspaces w JOIN scopes s ON s.workspace_id = w.id WHERE s.id = $1 FOR KEY SHARE OF w", scope_id)
     row = await conn.fetchrow(
         "SELECT id, workspace_id, audience_scan_complete, audience_scan_cursor, effective_audience_version, "
         "audience_policy_version, audience_state FROM service_accounts WHERE message_scope_id = $1 FOR UPDATE",
@@ -526,7 +525,7 @@ async def reconcile_step(conn: asyncpg.Connection, scope_id: str, batch: int) ->
     workspace_id = row["workspace_id"]
     if not row["audience_scan_complete"]:
         humans = [r["id"] for r in await conn.fetch(
-            "SELECT id FROM members WHERE workspace_id = $1 AND kind <> 'service' AND status = 'active' AND id > $2 "
+            "SELECT id FROM members WHERE workspace_id = $1 AND kind = 'human' AND status = 'active' AND id > $2 "
             "ORDER BY id LIMIT $3",
             workspace_id, row["audience_scan_cursor"], batch)]
         already = await visibility.open_members_among(conn, scope_id, humans)
