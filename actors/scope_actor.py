@@ -778,11 +778,13 @@ class ScopeActor:
             audience=frozenset({member_id, command.actor.member_id}))])
 
     async def _archive(self, conn: asyncpg.Connection, state: ScopeContext, command: Archive) -> Outcome:
+        _refuse_fixed_audience(state)
         await applier.archive_scope(conn, state.scope_id)
         return Outcome({"status": "archived"}, [CommittedEvent("scope.archived", state.workspace_id,
                                                                 state.scope_id, None, None, {})])
 
     async def _change_members(self, conn: asyncpg.Connection, state: ScopeContext, command: ChangeMembers) -> Outcome:
+        _refuse_fixed_audience(state)
         actor = command.actor
         mutations: list[MembershipMutation] = []
         await self._refresh_parent(conn)
@@ -845,6 +847,12 @@ class ScopeActor:
             _membership_changed(state.workspace_id, state.scope_id, MembershipMutation(m, "close"), generation,
                                 state.roster.get(m), reason="departed")
             for m in departed])
+
+
+def _refuse_fixed_audience(state: ScopeContext) -> None:
+    """A service account's roster is its audience reconciler's alone (service-account §3.1)."""
+    if state.type == "service_account":
+        raise Refused("forbidden", "a service account's audience is every active human", "fixed_audience")
 
 
 def _membership_changed(workspace_id: str, scope_id: str, mutation: MembershipMutation, generation: int,

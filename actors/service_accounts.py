@@ -90,7 +90,7 @@ def post_metadata(title: str, byline_member_id: str | None) -> dict[str, Any]:
 
 async def _authority(conn: asyncpg.Connection, state: ScopeContext, command: Command) -> asyncpg.Record:
     """The account and the caller's publishing authority, read in this transaction."""
-    account = await store.publish_authority(conn, state.scope_id, command.actor.member_id)
+    account = await store.publish_authority(conn, state.workspace_id, state.scope_id, command.actor.member_id)
     if not account["is_manager"]:
         raise Refused("forbidden", "only the account's managers publish", "not_a_manager")
     if not account["grant_live"]:
@@ -215,7 +215,7 @@ async def shared_pin(actor: ScopeActor, conn: asyncpg.Connection, state: ScopeCo
 @register_command(ReconcileAudience)
 async def reconcile(actor: ScopeActor, conn: asyncpg.Connection, state: ScopeContext,
                     command: ReconcileAudience) -> Outcome:
-    step = await store.reconcile_step(conn, state.scope_id, command.batch)
+    step = await store.reconcile_step(conn, state.workspace_id, state.scope_id, command.batch)
     if step is None:
         return Outcome(None)
     await actor.open_members(conn, state, step.opens)
@@ -227,7 +227,7 @@ async def reconcile(actor: ScopeActor, conn: asyncpg.Connection, state: ScopeCon
 @register_command(DeleteServiceAccount)
 async def delete(actor: ScopeActor, conn: asyncpg.Connection, state: ScopeContext,
                  command: DeleteServiceAccount) -> Outcome:
-    account = await store.account_of_scope(conn, state.scope_id)
+    account = await store.account_of_scope(conn, state.workspace_id, state.scope_id)
     manager = await store.is_manager(conn, account["id"], command.actor.member_id)
     if not (manager or command.governor):
         raise Refused("forbidden", "only a manager or an owner/admin deletes the account", "not_a_manager")

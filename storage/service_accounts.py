@@ -45,6 +45,15 @@ def payload_digest(payload: dict[str, Any]) -> bytes:
     return hashlib.sha256(_canonical.encode(payload)).digest()
 
 
+async def hold_workspace(conn: asyncpg.Connection, workspace_id: str) -> None:
+    """Key-share the workspace row before locking any account or policy row.  A human's
+    removal locks the workspace row first and then the workspace's accounts
+    (storage/human_lifecycle.py); a transaction that locked an account first would
+    then need the workspace row for any row it inserts (a foreign key to it) and
+    deadlock against the removal.  Taking the workspace first keeps one order."""
+    await conn.execute("SELECT 1 FROM workspaces WHERE id = $1 FOR KEY SHARE", workspace_id)
+
+
 # --- the Service Actor substrate ------------------------------------------------------------------------
 
 async def _definition(conn: asyncpg.Connection, slug: str, kind: str, mode: str,
@@ -180,6 +189,10 @@ async def create_account(conn: asyncpg.Connection, *, workspace_id: str, creator
     member, grant, message scope, target binding, account, first manager, audit.  The audience (the
     creator first) is opened by the scope's actor, in reconcile batches."""
     normalized = normalize_name(name)
+    await hold_workspace(conn, workspace_id)
+    # The lifecycle seq under the policy row's lock: a human joining concurrently either committed
+    # before (the first pass sees them) or numbers its event after this account exists (and bumps it).
+    lifecycle_seq = (await human_lifecycle.lock_workspace_policy(conn, workspace_id))["human_lifecycle_seq"]
     await _claim_name(conn, workspace_id, normalized)
     definition_id, capability_id = await _definition(conn, SERVICE_ACCOUNT_SLUG, "service_account",
                                                      "named_multi_instance", "service_account_message")
@@ -193,12 +206,6 @@ async def create_account(conn: asyncpg.Connection, *, workspace_id: str, creator
         "service_member_id, capability, target_ref, scope_id) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
         new_id("stb"), workspace_id, definition_id, installation_id, service_member_id, MESSAGE_WRITE,
         target_id(account_id), scope_id,
-    )
-    # The audience must reflect every human lifecycle event up to now; the first pass reads them all.
-    lifecycle_seq = await conn.fetchval(
-        "SELECT coalesce((SELECT human_lifecycle_seq FROM service_account_workspace_policies "
-        "WHERE workspace_id = $1), 0)",
-        workspace_id,
     )
     await conn.execute(
         "INSERT INTO service_accounts (id, principal_id, workspace_id, service_installation_id, service_member_id, "
@@ -230,6 +237,8 @@ async def create_account(conn: asyncpg.Connection, *, workspace_id: str, creator
 
 async def account(conn: asyncpg.Connection, workspace_id: str, account_id: str, *,
                   lock: bool = False) -> asyncpg.Record:
+    if lock:
+        await hold_workspace(conn, workspace_id)
     row = await conn.fetchrow(
         f"SELECT {ACCOUNT_COLUMNS} FROM service_accounts a WHERE a.workspace_id = $1 AND a.id = $2"
         + (" FOR UPDATE" if lock else ""),
@@ -240,7 +249,9 @@ async def account(conn: asyncpg.Connection, workspace_id: str, account_id: str, 
     return row
 
 
-async def account_of_scope(conn: asyncpg.Connection, scope_id: str, *, lock: bool = False) -> asyncpg.Record:
+async def account_of_scope(conn: asyncpg.Connection, workspace_id: str, scope_id: str, *,
+                           lock: bool = False) -> asyncpg.Record:
+    await hold_workspace(conn, workspace_id)
     row = await conn.fetchrow(
         f"SELECT {ACCOUNT_COLUMNS} FROM service_accounts a WHERE a.message_scope_id = $1"
         + (" FOR UPDATE" if lock else " FOR SHARE"),
@@ -260,11 +271,13 @@ async def accounts_by_scope(conn: asyncpg.Connection, scope_ids: list[str]) -> d
     return {r["message_scope_id"]: r for r in rows}
 
 
-async def publish_authority(conn: asyncpg.Connection, scope_id: str, member_id: str) -> asyncpg.Record:
+async def publish_authority(conn: asyncpg.Connection, workspace_id: str, scope_id: str,
+                            member_id: str) -> asyncpg.Record:
     """For a post, edit, withdrawal or shared pin, in the actor's transaction: the
     account (row shared-locked against a concurrent delete or profile change),
     whether its message.write grant is live, and whether `member_id` is an
     active manager who is an active human (§4.1's authority, re-checked at write time)."""
+    await hold_workspace(conn, workspace_id)
     row = await conn.fetchrow(
         f"SELECT {ACCOUNT_COLUMNS}, "
         "EXISTS (SELECT 1 FROM service_grants g WHERE g.service_installation_id = a.service_installation_id "
@@ -511,10 +524,12 @@ class ReconcileStep:
     policy_version: int
 
 
-async def reconcile_step(conn: asyncpg.Connection, scope_id: str, batch: int) -> ReconcileStep | None:
+async def reconcile_step(conn: asyncpg.Connection, workspace_id: str, scope_id: str,
+                         batch: int) -> ReconcileStep | None:
     """The next batch of the audience reconcile of the account owning `scope_id` (None: nothing to do).
     First pass: the next `batch` active humans by member id after the checkpoint; then the human
     lifecycle events after the applied version, each judged by the member's current state."""
+    await hold_workspace(conn, workspace_id)
     row = await conn.fetchrow(
         "SELECT id, workspace_id, audience_scan_complete, audience_scan_cursor, effective_audience_version, "
         "audience_policy_version, audience_state FROM service_accounts WHERE message_scope_id = $1 FOR UPDATE",
@@ -522,7 +537,6 @@ async def reconcile_step(conn: asyncpg.Connection, scope_id: str, batch: int) ->
     )
     if row is None or row["audience_state"] == "ready":
         return None
-    workspace_id = row["workspace_id"]
     if not row["audience_scan_complete"]:
         humans = [r["id"] for r in await conn.fetch(
             "SELECT id FROM members WHERE workspace_id = $1 AND kind = 'human' AND status = 'active' AND id > $2 "
@@ -608,6 +622,7 @@ async def policy(conn: asyncpg.Connection, workspace_id: str) -> tuple[str, int]
 
 async def set_policy(conn: asyncpg.Connection, workspace_id: str, creation_policy: str, expected_version: int,
                      actor_member_id: str, correlation_id: str) -> tuple[str, int]:
+    await hold_workspace(conn, workspace_id)
     row = await human_lifecycle.lock_workspace_policy(conn, workspace_id)
     if row["version"] != expected_version:
         raise Conflict("version_mismatch", f"the policy is at version {row['version']}")

@@ -747,7 +747,8 @@ class AudienceReconciler:
                              watchers | {row["requested_by_member_id"]})
                 if account["audience_state"] == "ready":
                     return
-        except (StorageError, cmd.Refused, cmd.ActorFailed) as exc:
+        except (StorageError, asyncpg.PostgresError, cmd.Refused, cmd.ActorFailed) as exc:
+            # The batch rolled back; the next pass resumes from the account's checkpoint.
             log.warning("audience reconcile failed; retrying later",
                         extra={"scope_id": scope_id, "error": str(exc)})
 
