@@ -61,6 +61,7 @@ class SharedPin(Command):
     message_id: str
     top_notice: bool
     pinned: bool  # False: unpin
+    correlation_id: str
     requires_membership = False
 
 
@@ -194,7 +195,7 @@ async def withdraw(actor: ScopeActor, conn: asyncpg.Connection, state: ScopeCont
 
 @register_command(SharedPin)
 async def shared_pin(actor: ScopeActor, conn: asyncpg.Connection, state: ScopeContext, command: SharedPin) -> Outcome:
-    await _authority(conn, state, command)
+    account = await _authority(conn, state, command)
     row = await messages.message_row(conn, state.scope_id, command.message_id)
     if row is None:
         raise NotFound("message")
@@ -207,6 +208,12 @@ async def shared_pin(actor: ScopeActor, conn: asyncpg.Connection, state: ScopeCo
         if not await store.delete_pin(conn, state.scope_id, command.message_id):
             raise NotFound("pin")
         value = None
+    await record_audit(conn, workspace_id=state.workspace_id, service_account_id=account["id"],
+                       subject_type="message", subject_id=command.message_id, subject_version=row["revision"],
+                       action="pin.added" if command.pinned else "pin.removed", actor_type="human",
+                       actor_member_id=command.actor.member_id, permission_basis=_audit_basis(account),
+                       correlation_id=command.correlation_id, message_id=command.message_id,
+                       message_version=row["revision"], details={"top_notice": command.pinned and command.top_notice})
     return Outcome(value, [CommittedEvent("pin.changed", state.workspace_id, state.scope_id, None, None, {
         "message_id": command.message_id, "pinned": command.pinned, "top_notice": command.pinned and command.top_notice,
         "member_id": command.actor.member_id})])

@@ -10,8 +10,6 @@ CONVERSATION_PREFIX = "serviceAccount:"
 POST_MESSAGE_TYPE = "service_account_post"
 CARD_MESSAGE_TYPE = "app_interactive_card"
 NOTIFICATION_MESSAGE_TYPE = "app_notification"
-# Message types only the server writes: a client's message.send may not use them.
-SERVER_WRITTEN_TYPES = frozenset({POST_MESSAGE_TYPE, CARD_MESSAGE_TYPE, NOTIFICATION_MESSAGE_TYPE})
 
 
 def normalize_name(name: str) -> str:

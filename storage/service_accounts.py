@@ -19,8 +19,7 @@ from typing import Any
 import asyncpg
 import msgspec
 
-from domain.service_accounts import (APPROVALS_SLUG, SERVICE_ACCOUNT_SLUG, conversation_id, identity_key,
-                                     normalize_name, target_id)
+from domain.service_accounts import APPROVALS_SLUG, SERVICE_ACCOUNT_SLUG, identity_key, normalize_name, target_id
 from storage import applier, deliveries, human_lifecycle, visibility
 from storage.errors import Conflict, NotFound
 from storage.human_lifecycle import record_audit
@@ -77,16 +76,13 @@ async def _definition(conn: asyncpg.Connection, slug: str, kind: str, mode: str,
     return definition_id, capability_id
 
 
-async def _unique_handle(conn: asyncpg.Connection, workspace_id: str, name: str) -> str:
-    base = "".join(c if c.isascii() and c.isalnum() else "-" for c in name.casefold()).strip("-")
-    base = "-".join(part for part in base.split("-") if part)[:40] or "service"
-    taken = {r["handle"] for r in await conn.fetch(
-        "SELECT handle FROM members WHERE workspace_id = $1 AND (handle = $2 OR handle LIKE $3)",
-        workspace_id, base, base + "-%")}
-    n, handle = 2, base
-    while handle in taken:
-        handle, n = f"{base}-{n}", n + 1
-    return handle
+def _handles(name: str, member_id: str) -> tuple[str, str]:
+    """A service member's handle: its name's ASCII words and a piece of its own id, so it never
+    waits on a handle another transaction is inserting; the whole id if even that is taken."""
+    base = "".join(c if c.isascii() and c.isalnum() else "-" for c in name.casefold())
+    base = "-".join(part for part in base.split("-") if part)[:40].strip("-") or "service"
+    body = member_id.split("_", 1)[1]
+    return f"{base}-{body[-6:]}", f"{base}-{body}"
 
 
 async def _install(conn: asyncpg.Connection, workspace_id: str, definition_id: str, capability_id: str,
@@ -99,10 +95,19 @@ async def _install(conn: asyncpg.Connection, workspace_id: str, definition_id: s
         "VALUES ($1, $2, $3, $4)",
         installation_id, workspace_id, definition_id, instance_key,
     )
-    await conn.execute(
-        "INSERT INTO members (id, workspace_id, kind, handle, display_name) VALUES ($1, $2, 'service', $3, $4)",
-        member_id, workspace_id, await _unique_handle(conn, workspace_id, name), name,
-    )
+    short, full = _handles(name, member_id)
+    try:
+        async with conn.transaction():
+            await conn.execute(
+                "INSERT INTO members (id, workspace_id, kind, handle, display_name) "
+                "VALUES ($1, $2, 'service', $3, $4)",
+                member_id, workspace_id, short, name,
+            )
+    except asyncpg.UniqueViolationError:
+        await conn.execute(
+            "INSERT INTO members (id, workspace_id, kind, handle, display_name) VALUES ($1, $2, 'service', $3, $4)",
+            member_id, workspace_id, full, name,
+        )
     await conn.execute(
         "INSERT INTO service_members (id, workspace_id, service_installation_id, member_id, display_name) "
         "VALUES ($1, $2, $3, $4, $5)",
@@ -141,13 +146,10 @@ async def approvals_app_member(conn: asyncpg.Connection, workspace_id: str) -> s
 
 async def _claim_name(conn: asyncpg.Connection, workspace_id: str, normalized: str) -> None:
     """Lock the name's namespace row; refuse a name a platform account owns or this workspace claims."""
-    await conn.execute(
-        "INSERT INTO service_account_name_namespaces (normalized_name) VALUES ($1) ON CONFLICT DO NOTHING",
-        normalized,
-    )
+    # Insert-or-lock in one statement: a concurrent delete of the row cannot slip in between.
     owner = await conn.fetchrow(
-        "SELECT platform_service_account_id FROM service_account_name_namespaces WHERE normalized_name = $1 "
-        "FOR UPDATE",
+        "INSERT INTO service_account_name_namespaces (normalized_name) VALUES ($1) ON CONFLICT (normalized_name) "
+        "DO UPDATE SET normalized_name = EXCLUDED.normalized_name RETURNING platform_service_account_id",
         normalized,
     )
     if owner["platform_service_account_id"] is not None or await name_taken(conn, workspace_id, normalized):
@@ -387,9 +389,11 @@ async def delete_account_rows(conn: asyncpg.Connection, row: asyncpg.Record, act
                        action="service_account.deleted", actor_type="human", actor_member_id=actor_member_id,
                        permission_basis=basis, correlation_id=correlation_id,
                        details={"name": row["name"], "scope_id": row["message_scope_id"]})
+    # A request still provisioning is done: its account existed, and is gone now.
     await conn.execute(
         "UPDATE service_account_create_requests SET created_service_account_id = NULL, version = version + 1, "
-        "updated_at = now() WHERE created_service_account_id = $1",
+        "business_state = CASE WHEN business_state = 'provisioning' THEN 'fulfilled' ELSE business_state END, "
+        "fulfilled_at = coalesce(fulfilled_at, now()), updated_at = now() WHERE created_service_account_id = $1",
         account_id,
     )
     await conn.execute("DELETE FROM service_account_managers WHERE service_account_id = $1", account_id)
@@ -597,12 +601,14 @@ async def finish_reconcile_step(conn: asyncpg.Connection, step: ReconcileStep,
     return await account(conn, step.workspace_id, step.account_id), fulfilled
 
 
-async def accounts_behind(conn: asyncpg.Connection, limit: int) -> list[asyncpg.Record]:
-    """Accounts whose audience is not ready, any workspace: the reconciler's queue."""
+async def accounts_behind(conn: asyncpg.Connection, after: tuple[str, str] | None,
+                          limit: int) -> list[asyncpg.Record]:
+    """Accounts whose audience is not ready, any workspace, after (workspace id, account id): the
+    reconciler's queue, paged so that failing accounts cannot hide the others."""
     return await conn.fetch(
         "SELECT workspace_id, id, message_scope_id FROM service_accounts WHERE audience_state <> 'ready' "
-        "ORDER BY workspace_id, id LIMIT $1",
-        limit,
+        "AND ($1::text IS NULL OR (workspace_id, id) > ($1, $2)) ORDER BY workspace_id, id LIMIT $3",
+        *(after or (None, None)), limit,
     )
 
 
@@ -1048,7 +1054,3 @@ async def audit_events(conn: asyncpg.Connection, workspace_id: str, account_ids:
         "ORDER BY id DESC LIMIT $4",
         workspace_id, account_ids, before, limit + 1,
     )
-
-
-def conversation_of(row: asyncpg.Record) -> str:
-    return conversation_id(row["message_scope_id"])

@@ -6,6 +6,9 @@ bad input."""
 
 from __future__ import annotations
 
+import base64
+import json
+
 import uuid
 
 from client import ClientError
@@ -396,6 +399,23 @@ async def test_every_op_probed_with_another_workspaces_ids_answers_not_found(app
     assert (counts["accounts"], counts["approval_version"], counts["managers"]) == (1, 1, 1)
 
 
+def crafted(values: list) -> str:
+    """An opaque cursor as the server encodes one, holding `values`."""
+    return base64.urlsafe_b64encode(json.dumps(values).encode()).decode().rstrip("=")
+
+
+async def test_a_name_whose_handle_would_end_in_a_dash_creates_its_account(app: App, org):
+    """The author member's handle is derived from the name: cut to length, it stays a clean handle."""
+    alpha, _, _ = org
+    ws = ws_of(alpha)
+    async with await signed_in(app, alpha.owner) as owner:
+        feed = await Feed.open(owner, ws)
+        created = await create_ready(feed, "a" * 39 + " b")
+    handle = await app.db.run(lambda c: c.fetchval(
+        "SELECT handle FROM members WHERE id = $1", created["account"]["profile"]["member_id"]))
+    assert handle.startswith("a" * 39 + "-") and "--" not in handle and not handle.endswith("-")
+
+
 async def test_malformed_ids_and_bad_input_get_typed_errors_never_internal(app: App, org):
     alpha, _, people = org
     ws = ws_of(alpha)
@@ -482,6 +502,12 @@ async def test_malformed_ids_and_bad_input_get_typed_errors_never_internal(app: 
             ("service_account.post", dict(sa, title="t", content="c" * 40001, client_message_id=str(uuid.uuid4()))),
             ("service_account.audit.list", dict(limit=1000)),
             ("service_account.audit.list", dict(cursor=12)),
+            ("service_account.post", dict(sa, title="   ", content="c", client_message_id=str(uuid.uuid4()))),
+            # Well-formed cursors holding what the database would refuse (a NUL, a lone surrogate).
+            *[(op, dict(extra, cursor=crafted(values))) for values in (["\x00"], ["\ud800"])
+              for op, extra in (("service_account.audit.list", {}), ("service_account.request.list", {}),
+                                ("service_account.managers.list", sa))],
+            *[("service_account.list", dict(cursor=crafted([v, "sac_zzzzzzzzzzzzzz"]))) for v in ("\x00", "\ud800")],
         ]
         for op, fields in bad_inputs:
             try:

@@ -444,6 +444,14 @@ async def test_shared_pins_and_one_top_notice(app: App, team):  # noqa: F811
         assert removed["data"]["member_id"] == alpha.owner.member_id
         assert await reason_of("invalid", owner.call("pin.add", message_id=in_channel["id"],
                                                      **ws)) == "scope_type_not_supported"
+        assert await reason_of("invalid", b.call("pin.list", scope_id=channel["id"],
+                                                 **ws)) == "scope_type_not_supported"
+        # Every pin change is a manager's audited command.
+        audit = (await owner.call("service_account.audit.list", service_account_id=account_id, **ws))["events"]
+        pin_actions = [(e["action"], e["message_id"], e["details"]["top_notice"]) for e in audit
+                       if e["action"].startswith("pin.")]
+        assert pin_actions == [("pin.removed", first["id"], False), ("pin.added", first["id"], True),
+                               ("pin.added", second["id"], True), ("pin.added", first["id"], False)]
     async with await signed_in(app, beta.owner) as other:
         await expect_error("not_found", other.call("pin.list", workspace_id=beta.workspace_id, scope_id=scope_id))
 

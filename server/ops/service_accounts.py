@@ -85,7 +85,9 @@ def _decode_cursor(cursor: str | None, arity: int) -> list | None:
         values = json.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
     except (ValueError, TypeError):
         values = None
-    if not isinstance(values, list) or len(values) != arity or not all(isinstance(v, str) for v in values):
+    if (not isinstance(values, list) or len(values) != arity
+            or not all(isinstance(v, str) and len(v) <= 200 and v.isprintable() for v in values)):
+        # Printable text only: a NUL or a lone surrogate would fail in the database, not here.
         raise ProtocolError(ErrorCode.INVALID, "malformed cursor", details={"reason": "bad_cursor"})
     return values
 
@@ -93,6 +95,13 @@ def _decode_cursor(cursor: str | None, arity: int) -> list | None:
 def _page(rows: list, limit: int, key) -> tuple[list, str | None]:
     page = rows[:limit]
     return page, (_encode_cursor(key(page[-1])) if len(rows) > limit else None)
+
+
+def _title(value: str) -> str:
+    title = value.strip()
+    if not title:
+        raise ProtocolError(ErrorCode.INVALID, "the title is empty", details={"reason": "empty_title"})
+    return title
 
 
 def _name(value: str) -> str:
@@ -485,7 +494,7 @@ async def post(server: Server, connection: Connection, request: s.Post, ctx: Req
     workspace = _member(ctx)
     account = await _account(server, workspace, request.service_account_id)
     message = await _submit(server, account["message_scope_id"], sa_cmd.ServicePost(
-        _actor(workspace), request.title.strip() or request.title, request.content, request.client_message_id.lower(),
+        _actor(workspace), _title(request.title), request.content, request.client_message_id.lower(),
         request.byline, _correlation()))
     return await _post_info(server, message)
 
@@ -501,7 +510,7 @@ async def _post_scope(server: Server, ctx: RequestContext, message_id: str) -> t
 async def post_edit(server: Server, connection: Connection, request: s.PostEdit, ctx: RequestContext) -> Any:
     workspace, row = await _post_scope(server, ctx, request.message_id)
     message = await _submit(server, row["scope_id"], sa_cmd.ServicePostEdit(
-        _actor(workspace), request.message_id, request.title, request.content, request.expected_revision,
+        _actor(workspace), request.message_id, _title(request.title), request.content, request.expected_revision,
         request.reason.strip(), _correlation()))
     return await _post_info(server, message)
 
@@ -543,7 +552,8 @@ async def _pin(server: Server, ctx: RequestContext, message_id: str, pinned: boo
     if row["scope_type"] != "service_account":
         raise ProtocolError(ErrorCode.INVALID, "shared pins are a service account's",
                             details={"reason": "scope_type_not_supported"})
-    return await _submit(server, row["scope_id"], sa_cmd.SharedPin(_actor(workspace), message_id, top_notice, pinned))
+    return await _submit(server, row["scope_id"], sa_cmd.SharedPin(_actor(workspace), message_id, top_notice, pinned,
+                                                                   _correlation()))
 
 
 async def pin_add(server: Server, connection: Connection, request: s.PinAdd, ctx: RequestContext) -> s.PinInfo:
@@ -557,6 +567,9 @@ async def pin_remove(server: Server, connection: Connection, request: s.PinRemov
 
 async def pin_list(server: Server, connection: Connection, request: s.PinList, ctx: RequestContext) -> s.PinPage:
     _, row = await _scope(server, ctx, request.scope_id, Permission.MESSAGE_READ)
+    if row["type"] != "service_account":
+        raise ProtocolError(ErrorCode.INVALID, "shared pins are a service account's",
+                            details={"reason": "scope_type_not_supported"})
     return s.PinPage(pins=[pin_info(r) for r in await server.db.run(store.pins, row["id"])])
 
 
@@ -717,13 +730,18 @@ class AudienceReconciler:
                 await trio.sleep(MAINTENANCE_SECONDS)
 
     async def reconcile_all(self) -> None:
-        try:
-            behind = await self.server.db.run(store.accounts_behind, 100)
-        except StorageError as exc:
-            log.warning("audience reconcile pass failed; retrying", extra={"error": str(exc)})
-            return
-        for row in behind:
-            await self.reconcile(row["workspace_id"], row["message_scope_id"])
+        after = None
+        while True:
+            try:
+                behind = await self.server.db.run(store.accounts_behind, after, 100)
+            except StorageError as exc:
+                log.warning("audience reconcile pass failed; retrying", extra={"error": str(exc)})
+                return
+            for row in behind:
+                await self.reconcile(row["workspace_id"], row["message_scope_id"])
+            if len(behind) < 100:
+                return
+            after = (behind[-1]["workspace_id"], behind[-1]["id"])
 
     async def reconcile(self, workspace_id: str, scope_id: str) -> None:
         server = self.server
