@@ -58,11 +58,14 @@ async def entitled_roster(conn: asyncpg.Connection, scope_id: str) -> frozenset[
 
 async def roster_entries(conn: asyncpg.Connection, scope_id: str) -> dict[str, RosterEntry]:
     """The scope actor's roster: who may write here and receives its events."""
+    # The state by a keyed lookup per member, not a join: right after a bulk open (a service
+    # account's audience) the settings table has no statistics yet, and the join's plan was
+    # quadratic — 6.7 s for a 9,000-member roster instead of 30 ms (bench/service_accounts.py).
     rows = await conn.fetch(
         f"SELECT r.member_id, mem.kind, r.visibility, r.owner_member_id, r.last_read_seq, r.effective_from_seq, "
-        f"coalesce(n.state, 'active') AS notification_state FROM {ENTITLED_MEMBERSHIPS} r "
+        f"coalesce((SELECT n.state FROM scope_notification_settings n WHERE n.scope_id = r.scope_id "
+        f"AND n.member_id = r.member_id), 'active') AS notification_state FROM {ENTITLED_MEMBERSHIPS} r "
         f"JOIN members mem ON mem.workspace_id = r.workspace_id AND mem.id = r.member_id "
-        f"LEFT JOIN scope_notification_settings n ON n.scope_id = r.scope_id AND n.member_id = r.member_id "
         f"WHERE r.scope_id = $1",
         scope_id,
     )
