@@ -9,6 +9,7 @@ import math
 import os
 import platform
 import resource
+import statistics
 import subprocess
 import sys
 import threading
@@ -77,6 +78,15 @@ def parent_pid(pid: int) -> int | None:
 def percentile(ordered: list[float], q: float) -> float:
     """Nearest-rank percentile of an already sorted list."""
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def spread(values: list[float | None], digits: int = 3) -> dict[str, Any]:
+    """Median and [min, max] over repeats (None where a repeat had none)."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return {"median": None, "min": None, "max": None, "all": values}
+    return {"median": round(statistics.median(present), digits), "min": round(min(present), digits),
+            "max": round(max(present), digits), "all": values}
 
 
 def admin(dsn: str, fn: Callable[[asyncpg.Connection], Awaitable[Any]]) -> Any:

@@ -82,7 +82,6 @@ import random  # noqa: E402
 import resource  # noqa: E402
 import shutil  # noqa: E402
 import socket  # noqa: E402
-import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -92,7 +91,7 @@ from typing import Any  # noqa: E402
 
 import asyncpg  # noqa: E402
 
-from bench.common import machine_info, parent_pid, percentile, process_tree_cpu_seconds  # noqa: E402
+from bench.common import machine_info, parent_pid, percentile, process_tree_cpu_seconds, spread  # noqa: E402
 from bench.fanout import (Procs, Sender, Worker, _background, _drain, _emit, _f, _merge_counters,  # noqa: E402
                           _raise_nofile, _read_ready, client_frame, client_loop, close_with_reset, connect_clients,
                           control_frame, hist_key, hist_percentiles, hist_value_ms, machine_cpu_s, proc_cpu_s, spawn,
@@ -113,14 +112,6 @@ TS_DIGITS = 19
 EVENT_HEAD = b'{"type":"event","event":"'
 SEED = 13
 
-
-def spread(values: list[float | None], digits: int = 3) -> dict[str, Any]:
-    """Median and [min, max] of the repeats' values (None where a run had none)."""
-    present = [v for v in values if v is not None]
-    if not present:
-        return {"median": None, "min": None, "max": None, "all": values}
-    return {"median": round(statistics.median(present), digits), "min": round(min(present), digits),
-            "max": round(max(present), digits), "all": values}
 
 
 def mention_content(ts_ns: int, handle: str, size: int) -> str:

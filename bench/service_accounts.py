@@ -94,7 +94,7 @@ from typing import Any  # noqa: E402
 
 import asyncpg  # noqa: E402
 
-from bench.common import machine_info, parent_pid, percentile, process_tree_cpu_seconds  # noqa: E402
+from bench.common import machine_info, parent_pid, percentile, process_tree_cpu_seconds, spread  # noqa: E402
 from bench.fanout import (Procs, _Conn, _emit, _raise_nofile, client_frame, client_loop,  # noqa: E402
                           close_with_reset, connect_clients, control_frame, hist_key, hist_percentiles,
                           machine_cpu_s, spawn, wait_for_quiet)
@@ -121,15 +121,6 @@ POST_TABLES = ("scope_messages", "scope_fanout_outbox", "service_account_audit_e
 
 def log(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
-
-
-def spread(values: list[float | None], digits: int = 3) -> dict[str, Any]:
-    """Median and [min, max] over repeats (None where a repeat had none)."""
-    present = [v for v in values if v is not None]
-    if not present:
-        return {"median": None, "min": None, "max": None, "all": values}
-    return {"median": round(statistics.median(present), digits), "min": round(min(present), digits),
-            "max": round(max(present), digits), "all": values}
 
 
 def post_content(size: int) -> str:
