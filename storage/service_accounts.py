@@ -251,14 +251,10 @@ async def account(conn: asyncpg.Connection, workspace_id: str, account_id: str, 
     return row
 
 
-async def account_of_scope(conn: asyncpg.Connection, workspace_id: str, scope_id: str, *,
-                           lock: bool = False) -> asyncpg.Record:
+async def account_of_scope(conn: asyncpg.Connection, workspace_id: str, scope_id: str) -> asyncpg.Record:
     await hold_workspace(conn, workspace_id)
     row = await conn.fetchrow(
-        f"SELECT {ACCOUNT_COLUMNS} FROM service_accounts a WHERE a.message_scope_id = $1"
-        + (" FOR UPDATE" if lock else " FOR SHARE"),
-        scope_id,
-    )
+        f"SELECT {ACCOUNT_COLUMNS} FROM service_accounts a WHERE a.message_scope_id = $1 FOR SHARE", scope_id)
     if row is None:
         raise NotFound("service account")
     return row
@@ -610,10 +606,6 @@ async def accounts_behind(conn: asyncpg.Connection, after: tuple[str, str] | Non
         "AND ($1::text IS NULL OR (workspace_id, id) > ($1, $2)) ORDER BY workspace_id, id LIMIT $3",
         *(after or (None, None)), limit,
     )
-
-
-async def audience_count(conn: asyncpg.Connection, scope_id: str) -> int:
-    return await visibility.open_member_count(conn, scope_id)
 
 
 # --- creation policy ------------------------------------------------------------------------------------

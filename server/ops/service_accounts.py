@@ -35,7 +35,7 @@ from server.messaging import (SYSTEM_ACTOR, _actor, _check_id, _message_scope, _
                               conversation_scope, ensure_dm, message_info, scope_of_conversation)
 from server.rbac import Permission, Role
 from server.service_profiles import author_profile, with_profile
-from storage import tenancy
+from storage import tenancy, visibility
 from storage import service_accounts as store
 from storage.errors import Conflict, DatabaseUnavailable, NotFound, StorageError
 from storage.human_lifecycle import AUDIENCE_CHANNEL
@@ -224,7 +224,7 @@ async def _watchers(server: Server, workspace_id: str, account_id: str | None = 
 async def _governance(server: Server, account: Any) -> s.Governance:
     async def unit(conn: asyncpg.Connection) -> tuple[list, int, str | None]:
         return (await store.managers(conn, account["id"], False, None, 50),
-                await store.audience_count(conn, account["message_scope_id"]),
+                await visibility.open_member_count(conn, account["message_scope_id"]),
                 await store.request_of_account(conn, account["id"]))
     rows, count, request_id = await server.db.run(unit)
     return s.Governance(version=account["version"], management_kind=account["management_kind"],
@@ -480,7 +480,7 @@ async def audience_get(server: Server, connection: Connection, request: s.Audien
                        ctx: RequestContext) -> s.AudienceInfo:
     workspace = _member(ctx)
     account, _ = await _governed(server, workspace, request.service_account_id)
-    return audience_info(account, await server.db.run(store.audience_count, account["message_scope_id"]))
+    return audience_info(account, await server.db.run(visibility.open_member_count, account["message_scope_id"]))
 
 
 # --- posts ------------------------------------------------------------------------------------------------
@@ -756,7 +756,7 @@ class AudienceReconciler:
                     return
                 account, fulfilled = result
                 watchers = await _watchers(server, workspace_id, account["id"])
-                count = await server.db.run(store.audience_count, scope_id)
+                count = await server.db.run(visibility.open_member_count, scope_id)
                 _publish(server, workspace_id, "service_account.audience_changed", s.AudienceChanged(
                     service_account_id=account["id"], audience=audience_info(account, count)), watchers, scope_id)
                 if fulfilled is not None:
