@@ -84,6 +84,10 @@ class ScopeRegistry:
             raise ActorUnavailable("could not reach the scope actor; retry")
         raise ActorUnavailable("the scope actor did not answer in time; retry")
 
+    def is_live(self, scope_id: str) -> bool:
+        actor = self._actors.get(scope_id)
+        return actor is not None and not actor.stopped
+
     @property
     def active(self) -> int:
         return len(self._actors)

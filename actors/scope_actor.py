@@ -695,6 +695,10 @@ class ScopeActor:
                                                      state.latest_seq)
             self._roster_dirty = True
 
+    def forget_state(self) -> None:
+        """Another transaction erased this scope (a platform account's delete): reload after this batch."""
+        self._roster_dirty = True
+
     async def erase_scope(self, conn: asyncpg.Connection, state: ScopeContext) -> None:
         """Delete the scope and everything in it for good; the actor serves nothing after commit."""
         await deliveries.delete_for_scope(conn, state.scope_id)

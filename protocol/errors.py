@@ -19,6 +19,7 @@ class ErrorCode(str, enum.Enum):
     IDEMPOTENCY_CONFLICT = "idempotency_conflict"  # same client key, different payload
     CONFLICT = "conflict"                        # state changed underneath (expected revision, uniqueness)
     INVALID = "invalid"                          # well-typed but semantically invalid argument
+    CONTENT_BLOCKED = "content_blocked"          # the deployment's moderation keywords refuse the content
     EDITION_LIMIT = "edition_limit"              # the edition policy forbids it (a second workspace)
     FENCED = "fenced"                            # stale execution generation or write-fenced workspace
     RATE_LIMITED = "rate_limited"

@@ -15,7 +15,7 @@ from typing import Literal
 
 import msgspec
 
-from protocol import collaboration, deliveries, service_accounts
+from protocol import collaboration, deliveries, platform, service_accounts
 from protocol import frames as f
 
 
@@ -97,6 +97,7 @@ EVENTS: dict[str, type[msgspec.Struct]] = {
     "collaborator.changed": collaboration.CollaboratorChanged,
     **deliveries.EVENTS,
     **service_accounts.EVENTS,
+    **platform.EVENTS,
 }
 MESSAGE_EVENTS = frozenset(name for name, payload in EVENTS.items() if payload is f.MessageInfo)
 

@@ -63,10 +63,12 @@ class Login(Request, tag="login"):
 
 
 class Auth(Request, tag="auth"):
-    """Authenticate this connection with a session token or an API key (exactly one)."""
+    """Authenticate this connection with a session token, an API key or a platform
+    operator key (exactly one)."""
 
     token: Secret | None = None
     api_key: Secret | None = None
+    operator_key: Secret | None = None
 
 
 class RevokeSessions(Request, tag="account.revoke_sessions"):
@@ -474,9 +476,10 @@ class WorkspaceInfo(msgspec.Struct):
 
 
 class AuthResult(msgspec.Struct, omit_defaults=True):
-    principal: Literal["account", "api_key"]
+    principal: Literal["account", "api_key", "operator"]
     account_id: str | None = None
     api_key_id: str | None = None
+    operator_id: str | None = None
     workspace_id: str | None = None
     member_id: str | None = None
     token: str | None = None
@@ -650,9 +653,10 @@ CLOSE_UNAVAILABLE = 1011      # the server could not deliver (e.g. database down
 # Each later domain defines its ops in its own module (every frame type above
 # is defined by then, so the import is not circular) and is appended here.
 from protocol import (  # noqa: E402
-    collaboration as _collaboration, deliveries as _deliveries, private_agents as _private_agents,
-    service_accounts as _service_accounts)
+    collaboration as _collaboration, deliveries as _deliveries, platform as _platform,
+    private_agents as _private_agents, service_accounts as _service_accounts)
 
-CLIENT_FRAMES += (*_collaboration.FRAMES, *_private_agents.FRAMES, *_deliveries.FRAMES, *_service_accounts.FRAMES)
+CLIENT_FRAMES += (*_collaboration.FRAMES, *_private_agents.FRAMES, *_deliveries.FRAMES, *_service_accounts.FRAMES,
+                  *_platform.FRAMES)
 ClientFrame = Union[CLIENT_FRAMES]  # type: ignore[valid-type]
 KNOWN_OPS = frozenset(frame.__struct_config__.tag for frame in CLIENT_FRAMES)

@@ -381,7 +381,7 @@ class ManagerInfo(msgspec.Struct, omit_defaults=True):
 
 class Governance(msgspec.Struct, omit_defaults=True):
     version: int
-    management_kind: Literal["workspace"]
+    management_kind: Literal["workspace", "platform"]
     audience: AudienceInfo
     managers: list[ManagerInfo]
     created_by_member_id: str | None = None

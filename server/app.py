@@ -33,6 +33,8 @@ from actors.outbox_worker import OutboxWorker
 from actors.registry import ScopeRegistry, actor_seconds
 from server import handlers, http, logs, messaging
 from server.ops.collaboration import run_collaborator_maintenance
+from actors.platform_account import PlatformRegistry
+from server.ops.platform import run_platform
 from server.ops.service_accounts import AudienceReconciler
 from server.ops.service_accounts import run_maintenance as run_service_account_maintenance
 from server.limits import ConnectionAdmission, KeyedRateLimiter, TokenBucket, warn_if_descriptors_short
@@ -107,7 +109,7 @@ class Connection:
 
 
 def _identity(principal: Principal) -> tuple:
-    return principal.kind, principal.account_id, principal.key_member_id
+    return principal.kind, principal.account_id, principal.key_member_id, principal.operator_id
 
 
 class ConnectionRegistry:
@@ -167,6 +169,9 @@ class Server:
     outbox: OutboxWorker | None = None
     deliveries: DeliveryRouter = field(init=False)
     audience: AudienceReconciler = field(init=False)
+    platform: PlatformRegistry | None = None
+    # This process's node id: leasing a platform delivery claims the workspace's placement for it.
+    node_id: str = field(default_factory=lambda: new_id("nod"))
     port: int | None = None
     # Already bound (the CLI binds before touching the database, to fail fast); else run() binds.
     listeners: list[trio.SocketListener] | None = None
@@ -215,6 +220,7 @@ class Server:
             await actors_nursery.start(run_collaborator_maintenance, self)
             await actors_nursery.start(self.audience.run)
             await actors_nursery.start(run_service_account_maintenance, self)
+            await actors_nursery.start(run_platform, self, actors_nursery)
             # Cancelling run() must not reach the connection tasks at once: they
             # still run the closing handshakes.  So the serving part is shielded,
             # and a sentinel task turns the cancellation into a stop request.

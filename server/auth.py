@@ -24,7 +24,7 @@ from server.credentials import (
 )
 from server.limits import LoginThrottle
 from server.rbac import Permission, Role, key_scope_permissions, permissions_for
-from storage import messages, tenancy
+from storage import messages, platform, tenancy
 from storage.bridge import Database
 from storage.ids import is_valid_id
 
@@ -112,6 +112,15 @@ class Authenticator:
                               key_scopes=tuple(row["scopes"]))
         return principal, _api_key_workspace_context(row, principal)
 
+    async def from_operator_key(self, key: str, *, source: str | None = None) -> Principal:
+        keys = self.throttle.keys(address=source)
+        with self.throttle.attempt(keys):
+            row = await self.db.run(platform.operator_for_key, secret_hash(key))
+            if row is None:
+                self.throttle.failed(keys)
+                raise unauthenticated("invalid operator key")
+        return Principal(kind="operator", operator_id=row["operator_id"], operator_key_id=row["key_id"])
+
     async def revalidate(self, principal: Principal, expires_at: float | None = None) -> None:
         """The credential is still good: not revoked, not expired, account active."""
         if principal.kind == "account":
@@ -123,6 +132,9 @@ class Authenticator:
             if row is None or row["status"] != "active" or (
                     row["expires_at"] is not None and row["expires_at"].timestamp() <= time.time()):
                 raise unauthenticated("API key revoked or expired")
+        elif principal.kind == "operator":
+            if not await self.db.run(platform.operator_key_live, principal.operator_key_id):
+                raise unauthenticated("operator key revoked or operator disabled")
 
     async def request_workspace(self, principal: Principal, expires_at: float | None, requested: str | None,
                                 edition: str | None,

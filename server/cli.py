@@ -25,10 +25,11 @@ from server.auth import Authenticator, system_context, system_workspace_context
 from server.credentials import load_or_create_signer
 from server.rbac import API_KEY_SCOPES
 from server.config import DatabaseConfig, ServerConfig, default_data_dir
+from server.ops.platform import create_operator
 from storage.cluster import ClusterError
 from storage.lifecycle import (ClusterLost, DatabaseStartError, database_url_host, embedded_cluster, open_database,
                                provisioned, supervise_cluster)
-from storage import tenancy
+from storage import platform, tenancy
 from storage.errors import Conflict, NotFound
 from storage.migrations import migrate, verify
 
@@ -103,13 +104,22 @@ def build_parser() -> argparse.ArgumentParser:
             ("--delivery-retention-hours", "DELIVERY_RETENTION_HOURS", "168",
              "hours an unacked routed delivery waits before it expires"),
             ("--service-account-audience-batch", "SERVICE_ACCOUNT_AUDIENCE_BATCH", "500",
-             "members a service account's audience reconcile opens or closes per batch (1-10000)")):
+             "members a service account's audience reconcile opens or closes per batch (1-10000)"),
+            ("--platform-delivery-concurrency", "PLATFORM_DELIVERY_CONCURRENCY", "16",
+             "workspace deliveries of one platform broadcast account in flight at once (1-1000)"),
+            ("--platform-lease-seconds", "PLATFORM_LEASE_SECONDS", "30",
+             "seconds a platform delivery's lease fences it before another attempt may take it"),
+            ("--platform-max-attempts", "PLATFORM_MAX_ATTEMPTS", "8",
+             "failed attempts of a platform delivery before it waits for an operator (operator_attention)")):
         serve.add_argument(flag, type=float, default=float(_env(env, default)), help=f"{text} (default: %(default)s)")
     serve.add_argument("--metrics-port", type=int, default=_env("METRICS_PORT"),
                        help="serve /metrics (and /healthz, /readyz) on this port instead of the WebSocket port, "
                             "where /metrics then answers 404 (SCOPEWIRE_METRICS_PORT)")
     serve.add_argument("--slow-command-ms", type=float, default=float(_env("SLOW_COMMAND_MS", "500")),
                        help="log a command slower than this, with its phases (default: %(default)s)")
+    serve.add_argument("--moderation-keywords-file", type=Path, default=_env("MODERATION_KEYWORDS_FILE"),
+                       help="one keyword per line: a platform broadcast containing one (ignoring case) is refused "
+                            "with content_blocked and logged for review")
     serve.add_argument("--session-key-file", type=Path, default=_env("SESSION_KEY_FILE"),
                        help="Ed25519 key that signs session tokens (default: DATA_DIR/session-signing-key.pem); "
                             "every server on one database must share it")
@@ -140,6 +150,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--delivery-lease-seconds must be at least 1 and --delivery-retention-hours positive")
     if args.command == "serve" and not 1 <= args.service_account_audience_batch <= 10_000:
         parser.error("--service-account-audience-batch must be between 1 and 10000")
+    if args.command == "serve" and (not 1 <= args.platform_delivery_concurrency <= 1000
+                                    or args.platform_lease_seconds < 1 or args.platform_max_attempts < 1):
+        parser.error("--platform-delivery-concurrency must be 1-1000, --platform-lease-seconds and "
+                     "--platform-max-attempts at least 1")
     logs.configure(getattr(args, "log_level", "warning"))
     if args.command == "status":
         try:
@@ -179,12 +193,26 @@ def server_config_from(args: argparse.Namespace) -> ServerConfig:
                         delivery_lease_seconds=args.delivery_lease_seconds,
                         delivery_retention_hours=args.delivery_retention_hours,
                         service_account_audience_batch=int(args.service_account_audience_batch),
+                        platform_delivery_concurrency=int(args.platform_delivery_concurrency),
+                        platform_lease_seconds=args.platform_lease_seconds,
+                        platform_max_attempts=int(args.platform_max_attempts),
+                        moderation_keywords=_keywords(args.moderation_keywords_file),
                         max_connections=int(args.max_connections),
                         max_unauthenticated_connections=int(args.max_unauthenticated),
                         max_unauthenticated_per_address=int(args.max_unauthenticated_per_address),
                         shutdown_grace_seconds=args.shutdown_grace,
                         metrics_port=int(args.metrics_port) if args.metrics_port is not None else None,
                         slow_command_ms=args.slow_command_ms)
+
+
+def _keywords(path: Path | None) -> tuple[str, ...]:
+    if path is None:
+        return ()
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise SystemExit(f"scopewire: cannot read --moderation-keywords-file: {exc}") from None
+    return tuple(dict.fromkeys(line.strip() for line in lines if line.strip()))
 
 
 class ListenError(Exception):
@@ -357,6 +385,11 @@ def _add_admin_commands(commands) -> None:
     command(invite, "list", "list invitations", workspace_flag)
     command(invite, "revoke", "revoke a pending invitation", workspace_flag, arg("invitation"))
 
+    operator = commands.add_parser("operator", help="platform operators").add_subparsers(dest="admin", required=True)
+    command(operator, "create", "create a platform operator; prints its key once", arg("--name", required=True))
+    command(operator, "list", "list platform operators")
+    command(operator, "disable", "disable a platform operator (its connections are refused)", arg("operator"))
+
     apikey = commands.add_parser("apikey", help="API keys").add_subparsers(dest="admin", required=True)
     command(apikey, "create", "create an API key for a member; prints the key once", workspace_flag,
             arg("--member", required=True, help="member id, handle or email"), arg("--name", default="cli"),
@@ -406,6 +439,15 @@ async def _admin_action(db, args: argparse.Namespace) -> object:
                 "owner_member_id": done.member_id, "owner_password": done.password}
     if command == "workspace list":
         return [dict(r) for r in await ops.list_workspaces(db, system_context())]
+    if command == "operator create":
+        operator_id, key_id, key = await create_operator(db, args.name)
+        return {"operator_id": operator_id, "operator_key_id": key_id, "key": key,
+                "note": "the key is shown only once"}
+    if command == "operator list":
+        return [dict(r) for r in await db.run(platform.operators)]
+    if command == "operator disable":
+        await db.transaction(platform.disable_operator, args.operator)
+        return {"operator_id": args.operator, "status": "disabled"}
     workspace_ref = getattr(args, "workspace", None)
     workspace_id = await db.run(tenancy.workspace_by_slug_or_id, workspace_ref)
     ctx = system_context(await system_workspace_context(db, workspace_id))

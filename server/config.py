@@ -67,6 +67,16 @@ class ServerConfig:
     delivery_retention_hours: float = 168.0
     # A service account's audience reconciles in batches of this many members (one actor command each).
     service_account_audience_batch: int = 500
+    # Platform broadcast delivery: workspace deliveries in flight per platform account, how long a
+    # delivery's lease fences it, attempts before operator_attention, and the first retry's backoff
+    # (doubling, at most 60 s).
+    platform_delivery_concurrency: int = 16
+    platform_lease_seconds: float = 30.0
+    platform_max_attempts: int = 8
+    platform_retry_base_seconds: float = 1.0
+    # The deployment's moderation keywords (scope-model §3.6.1): a broadcast containing one, ignoring
+    # case, is refused (content_blocked) and logged for review.
+    moderation_keywords: tuple[str, ...] = ()
     # Operability: /metrics on its own port (None: on the WebSocket port), and the
     # duration past which a command is logged as slow, with its phases.
     metrics_port: int | None = None

@@ -18,7 +18,7 @@ from server.rbac import Permission, Role
 class Principal:
     """Who is calling, as derived from the credential."""
 
-    kind: Literal["account", "api_key", "system"]
+    kind: Literal["account", "api_key", "system", "operator"]
     account_id: str | None = None
     token_version: int | None = None
     api_key_id: str | None = None
@@ -26,6 +26,9 @@ class Principal:
     key_workspace_id: str | None = None
     key_member_id: str | None = None
     key_scopes: tuple[str, ...] = ()
+    # A platform operator (not a member of any workspace) and the key it authenticated with.
+    operator_id: str | None = None
+    operator_key_id: str | None = None
 
 
 SYSTEM = Principal(kind="system")

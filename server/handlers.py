@@ -16,7 +16,7 @@ from protocol import frames as f
 from protocol import results
 from protocol.errors import ErrorCode, ProtocolError
 from server import messaging, realtime
-from server.ops import collaboration, deliveries, private_agents, service_accounts
+from server.ops import collaboration, deliveries, platform, private_agents, service_accounts
 from server import tenancy as ops
 from server.context import RequestContext
 
@@ -67,6 +67,8 @@ async def _auth_result(server: Server, connection: Connection, token: str | None
     assert principal is not None
     ctx = RequestContext(request_id="auth", principal=principal)
     workspaces = [_workspace_info(r) for r in await ops.list_workspaces(server.db, ctx)]
+    if principal.kind == "operator":
+        return f.AuthResult(principal="operator", operator_id=principal.operator_id)
     if principal.kind == "api_key":
         return f.AuthResult(principal="api_key", api_key_id=principal.api_key_id,
                             workspace_id=principal.key_workspace_id, member_id=principal.key_member_id,
@@ -83,10 +85,13 @@ async def login(server: Server, connection: Connection, request: f.Login, ctx: R
 
 
 async def auth(server: Server, connection: Connection, request: f.Auth, ctx: RequestContext | None) -> f.AuthResult:
-    if (request.token is None) == (request.api_key is None):
-        raise ProtocolError(ErrorCode.BAD_FRAME, "give exactly one of token and api_key")
+    if sum(value is not None for value in (request.token, request.api_key, request.operator_key)) != 1:
+        raise ProtocolError(ErrorCode.BAD_FRAME, "give exactly one of token, api_key and operator_key")
     if request.token is not None:
         principal, expires_at = await server.auth.from_token(request.token, source=connection.address)
+    elif request.operator_key is not None:
+        principal, expires_at = await server.auth.from_operator_key(request.operator_key,
+                                                                    source=connection.address), None
     else:
         principal, _ = await server.auth.from_api_key(request.api_key, source=connection.address)
         expires_at = None
@@ -264,7 +269,10 @@ IN_WORKSPACE: dict[type, Handler] = {
     **deliveries.HANDLERS,
     **service_accounts.HANDLERS,
 }
-assert set(PUBLIC) | set(AUTHENTICATED) | set(IN_WORKSPACE) == set(f.CLIENT_FRAMES), "every op needs a handler"
+# A platform operator's ops (and only these for an operator).
+PLATFORM: dict[type, Handler] = dict(platform.HANDLERS)
+assert set(PUBLIC) | set(AUTHENTICATED) | set(IN_WORKSPACE) | set(PLATFORM) == set(f.CLIENT_FRAMES), \
+    "every op needs a handler"
 
 
 async def dispatch(server: Server, connection: Connection, request: f.Request) -> Any:
@@ -285,6 +293,16 @@ async def _route(server: Server, connection: Connection, request: f.Request) -> 
     principal = connection.principal
     if principal is None:
         raise ProtocolError(ErrorCode.UNAUTHENTICATED, "authenticate first (login, auth or invitation.accept)")
+    if kind in PLATFORM or principal.kind == "operator":
+        if kind not in PLATFORM:
+            raise ProtocolError(ErrorCode.FORBIDDEN, "a platform operator is not a member of any workspace",
+                                details={"reason": "operator_not_member"})
+        if principal.kind != "operator":
+            raise ProtocolError(ErrorCode.FORBIDDEN, "only platform operators",
+                                details={"reason": "platform_operator_required"})
+        await server.auth.revalidate(principal)
+        return await PLATFORM[kind](server, connection, request, RequestContext(request_id=request.id,
+                                                                                principal=principal))
     if kind in AUTHENTICATED:
         await server.auth.revalidate(principal, expires_at=connection.session_expires_at)
         return await AUTHENTICATED[kind](server, connection, request,

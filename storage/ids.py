@@ -55,6 +55,15 @@ PREFIXES = frozenset(
         "ani",  # approval notification intent
         "snc",  # service notification card (sidecar of a card message)
         "sae",  # service-account audit event
+        "pop",  # platform operator
+        "pok",  # platform operator key
+        "psa",  # platform service account (also its global principal)
+        "psi",  # platform account's workspace instance
+        "pbc",  # platform broadcast
+        "pbd",  # platform broadcast delivery
+        "pml",  # platform moderation log entry
+        "pae",  # platform audit event
+        "nod",  # a server process (node)
     }
 )
 

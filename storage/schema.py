@@ -65,11 +65,15 @@ instance_metadata = Table(
         Column("instance_id", "text"),
         Column("edition", "text"),
         Column("initialized_at", TS, default=NOW),
+        # The deployment-level provisioning generation boundary (service-account §2.4): Platform Account
+        # create and Workspace create each lock this row, advance it and record their input.
+        Column("platform_provisioning_generation", "bigint", default="0", since=5),
     ),
     primary_key=("singleton",),
     checks=(
         Check("instance_metadata_singleton_true", "singleton"),
         enum_check("instance_metadata", "edition", ("single", "multi")),
+        Check("instance_metadata_platform_generation", "platform_provisioning_generation >= 0", since=5),
     ),
 )
 
@@ -1263,6 +1267,10 @@ service_accounts = introduced_in(4, Table(
               "AND effective_audience_version = audience_policy_version)"),
         Check("service_accounts_provisioning_state",
               "(audience_state = 'provisioning') = (NOT audience_scan_complete)"),
+        # A platform instance carries the platform principal (§2.5).
+        Check("service_accounts_platform_principal",
+              "management_kind <> 'platform' OR (platform_service_account_id IS NOT NULL "
+              "AND principal_id = platform_service_account_id)", since=5),
     ),
     foreign_keys=(
         ForeignKey("service_accounts_workspace_fkey", ("workspace_id",), "workspaces", ("id",)),
@@ -1274,9 +1282,13 @@ service_accounts = introduced_in(4, Table(
         tenant_fk("service_accounts", ("workspace_id", "message_scope_id", "message_scope_type"), "scopes",
                   ("workspace_id", "id", "type"), "message_scope"),
         member_fk("service_accounts", "created_by_member_id"),
+        ForeignKey("service_accounts_platform_fkey", ("platform_service_account_id",), "platform_service_accounts",
+                   ("id",), since=5),
     ),
     indexes=(
         Index("service_accounts_workspace_name_idx", "workspace_id, normalized_name, id"),
+        Index("service_accounts_platform_idx", "platform_service_account_id", since=5,
+              where="platform_service_account_id IS NOT NULL"),
         # The reconciler's queue: accounts whose audience is behind its policy.
         Index("service_accounts_audience_pending_idx", "workspace_id, id", where="audience_state <> 'ready'"),
     ),
@@ -1385,11 +1397,14 @@ service_account_name_namespaces = introduced_in(4, Table(
     "service_account_name_namespaces",
     columns=(
         Column("normalized_name", "text"),
-        # A platform account's ownership (the platform issue): exclusive with workspace claims.
+        # A platform account's ownership: exclusive with workspace claims (§2.4).
         Column("platform_service_account_id", "text", nullable=True),
         Column("created_at", TS, default=NOW),
     ),
     primary_key=("normalized_name",),
+    uniques=(Unique("service_account_name_namespaces_platform_key", ("platform_service_account_id",), since=5),),
+    foreign_keys=(ForeignKey("service_account_name_namespaces_platform_fkey", ("platform_service_account_id",),
+                             "platform_service_accounts", ("id",), since=5),),
 ))
 
 service_account_name_claims = introduced_in(4, Table(
@@ -1611,6 +1626,368 @@ scope_message_pins = introduced_in(4, Table(
     indexes=(Index("scope_message_pins_top_notice_key", "scope_id", unique=True, where="is_top_notice"),),
 ))
 
+# --- platform service accounts and broadcast (service-account.md §2.4, §4.5, §7) ------------------------
+
+# A platform operator: a principal of the deployment, not a member of any workspace.
+platform_operators = introduced_in(5, Table(
+    "platform_operators",
+    columns=(
+        Column("id", "text"),
+        Column("name", "text"),
+        Column("status", "text", default="'active'"),
+        Column("created_at", TS, default=NOW),
+        Column("disabled_at", TS, nullable=True),
+    ),
+    primary_key=("id",),
+    checks=(
+        id_check("platform_operators", "id", "pop"),
+        enum_check("platform_operators", "status", ("active", "disabled")),
+        Check("platform_operators_disabled_state", "(status = 'disabled') = (disabled_at IS NOT NULL)"),
+        Check("platform_operators_name_length", "char_length(name) BETWEEN 1 AND 200"),
+    ),
+))
+
+platform_operator_keys = introduced_in(5, Table(
+    "platform_operator_keys",
+    columns=(
+        Column("id", "text"),
+        Column("operator_id", "text"),
+        Column("name", "text"),
+        Column("key_hash", "bytea"),
+        Column("status", "text", default="'active'"),
+        Column("created_at", TS, default=NOW),
+        Column("revoked_at", TS, nullable=True),
+    ),
+    primary_key=("id",),
+    uniques=(Unique("platform_operator_keys_key_hash_key", ("key_hash",)),),
+    checks=(
+        id_check("platform_operator_keys", "id", "pok"),
+        enum_check("platform_operator_keys", "status", ("active", "revoked")),
+        Check("platform_operator_keys_key_hash_length", "octet_length(key_hash) = 32"),
+        Check("platform_operator_keys_revoked_state", "(status = 'revoked') = (revoked_at IS NOT NULL)"),
+    ),
+    foreign_keys=(ForeignKey("platform_operator_keys_operator_fkey", ("operator_id",), "platform_operators",
+                             ("id",)),),
+    indexes=(Index("platform_operator_keys_operator_idx", "operator_id"),),
+))
+
+# The platform principal and management authority (§2.4).  Its row is the root lock: acceptance ordinals,
+# broadcast seqs, instance intervals and delivery leases are written under it, and Delete takes it.
+platform_service_accounts = introduced_in(5, Table(
+    "platform_service_accounts",
+    columns=(
+        Column("id", "text"),
+        Column("name", "text"),
+        Column("normalized_name", "text"),
+        Column("description", "text", default="''"),
+        Column("avatar_asset_id", "text", nullable=True),
+        Column("profile_version", "bigint", default="1"),
+        Column("version", "bigint", default="1"),
+        Column("provisioning_mode", "text", default="'all_workspaces'"),
+        Column("provisioning_state", "text", default="'provisioning'"),
+        Column("created_provisioning_generation", "bigint"),
+        # The deployment generation the current provisioning pass drives to, and its workspace-id cursor.
+        Column("target_provisioning_generation", "bigint"),
+        Column("provisioning_cursor", "text", default="''"),
+        Column("provisioning_scan_complete", "boolean", default="false"),
+        Column("applied_provisioning_generation", "bigint", default="0"),
+        Column("audience_policy_version", "bigint", default="1"),
+        Column("latest_broadcast_seq", "bigint", default="0"),
+        Column("latest_acceptance_ordinal", "bigint", default="0"),
+        Column("created_by_operator_id", "text"),
+        *timestamps(),
+    ),
+    primary_key=("id",),
+    uniques=(Unique("platform_service_accounts_normalized_name_key", ("normalized_name",)),),
+    checks=(
+        id_check("platform_service_accounts", "id", "psa"),
+        enum_check("platform_service_accounts", "provisioning_mode", ("all_workspaces",)),
+        enum_check("platform_service_accounts", "provisioning_state", ("provisioning", "ready")),
+        Check("platform_service_accounts_name_length", "char_length(name) BETWEEN 1 AND 80"),
+        Check("platform_service_accounts_description_length", "char_length(description) <= 1000"),
+        Check("platform_service_accounts_generations",
+              "applied_provisioning_generation <= target_provisioning_generation "
+              "AND created_provisioning_generation <= target_provisioning_generation"),
+        Check("platform_service_accounts_ready_state",
+              "(provisioning_state = 'ready') = (applied_provisioning_generation = target_provisioning_generation)"),
+        Check("platform_service_accounts_counters",
+              "latest_broadcast_seq >= 0 AND latest_acceptance_ordinal >= latest_broadcast_seq "
+              "AND profile_version >= 1 AND version >= 1"),
+    ),
+    foreign_keys=(ForeignKey("platform_service_accounts_operator_fkey", ("created_by_operator_id",),
+                             "platform_operators", ("id",)),),
+))
+
+# The durable cross-product inputs (§2.4): one row per generation.
+platform_service_account_provisioning_inputs = introduced_in(5, Table(
+    "platform_service_account_provisioning_inputs",
+    columns=(
+        Column("generation", "bigint"),
+        Column("input_kind", "text"),
+        Column("platform_service_account_id", "text", nullable=True),
+        Column("workspace_id", "text", nullable=True),
+        Column("created_at", TS, default=NOW),
+    ),
+    primary_key=("generation",),
+    uniques=(Unique("platform_service_account_provisioning_inputs_workspace_key", ("workspace_id",)),),
+    checks=(
+        enum_check("platform_service_account_provisioning_inputs", "input_kind",
+                   ("platform_account_created", "workspace_created")),
+        Check("platform_service_account_provisioning_inputs_subject",
+              "(input_kind = 'workspace_created' AND workspace_id IS NOT NULL "
+              "AND platform_service_account_id IS NULL) OR (input_kind = 'platform_account_created' "
+              "AND platform_service_account_id IS NOT NULL AND workspace_id IS NULL)"),
+    ),
+    foreign_keys=(
+        ForeignKey("platform_service_account_provisioning_inputs_account_fkey", ("platform_service_account_id",),
+                   "platform_service_accounts", ("id",), on_delete="CASCADE"),
+        ForeignKey("platform_service_account_provisioning_inputs_workspace_fkey", ("workspace_id",), "workspaces",
+                   ("id",)),
+    ),
+    indexes=(Index("platform_service_account_provisioning_inputs_account_idx", "platform_service_account_id",
+                   where="platform_service_account_id IS NOT NULL"),),
+))
+
+# A workspace's instance of a platform account: the broadcast-seq interval it receives and its delivery cursor.
+platform_service_account_workspace_instances = introduced_in(5, Table(
+    "platform_service_account_workspace_instances",
+    columns=(
+        Column("id", "text"),
+        Column("platform_service_account_id", "text"),
+        Column("workspace_id", "text"),
+        Column("local_service_account_id", "text"),
+        Column("opened_provisioning_generation", "bigint"),
+        Column("effective_from_broadcast_seq", "bigint"),
+        Column("effective_to_broadcast_seq", "bigint", nullable=True),
+        Column("last_applied_broadcast_seq", "bigint"),
+        Column("applied_profile_version", "bigint"),
+        Column("provisioning_state", "text", default="'identity_ready'"),
+        Column("version", "bigint", default="1"),
+        *timestamps(),
+    ),
+    primary_key=("id",),
+    uniques=(
+        Unique("platform_service_account_workspace_instances_pair_key",
+               ("platform_service_account_id", "workspace_id")),
+        Unique("platform_service_account_workspace_instances_local_key", ("local_service_account_id",)),
+    ),
+    checks=(
+        id_check("platform_service_account_workspace_instances", "id", "psi"),
+        enum_check("platform_service_account_workspace_instances", "provisioning_state",
+                   ("identity_ready", "ready")),
+        Check("platform_service_account_workspace_instances_interval",
+              "effective_from_broadcast_seq >= 1 AND last_applied_broadcast_seq >= effective_from_broadcast_seq - 1 "
+              "AND (effective_to_broadcast_seq IS NULL OR effective_to_broadcast_seq >= effective_from_broadcast_seq)"),
+    ),
+    foreign_keys=(
+        ForeignKey("platform_service_account_workspace_instances_account_fkey", ("platform_service_account_id",),
+                   "platform_service_accounts", ("id",), on_delete="CASCADE"),
+        ForeignKey("platform_service_account_workspace_instances_workspace_fkey", ("workspace_id",), "workspaces",
+                   ("id",)),
+        tenant_fk("platform_service_account_workspace_instances", ("workspace_id", "local_service_account_id"),
+                  "service_accounts", ("workspace_id", "id"), "local_account"),
+    ),
+    indexes=(Index("platform_service_account_workspace_instances_pending_idx", "platform_service_account_id",
+                   where="provisioning_state <> 'ready'"),),
+))
+
+# One broadcast: the immutable MessagePlan snapshot, its fences and its aggregate state (§4.5).
+platform_service_account_broadcasts = introduced_in(5, Table(
+    "platform_service_account_broadcasts",
+    columns=(
+        Column("id", "text"),
+        Column("platform_service_account_id", "text"),
+        Column("operator_id", "text"),
+        Column("client_broadcast_id", "text"),
+        Column("payload_digest", "bytea"),
+        Column("title", "text"),
+        Column("content", "text"),
+        Column("message_type", "text", default="'service_account_post'"),
+        Column("correlation_id", "text"),
+        Column("required_provisioning_generation", "bigint"),
+        Column("acceptance_ordinal", "bigint"),
+        Column("broadcast_seq", "bigint", nullable=True),
+        Column("state", "text", default="'waiting_provisioning'"),
+        Column("enumeration_cursor", "text", default="''"),
+        Column("enumeration_complete", "boolean", default="false"),
+        Column("version", "bigint", default="1"),
+        Column("created_at", TS, default=NOW),
+        Column("sequenced_at", TS, nullable=True),
+        Column("completed_at", TS, nullable=True),
+        Column("updated_at", TS, default=NOW),
+    ),
+    primary_key=("id",),
+    uniques=(
+        Unique("platform_service_account_broadcasts_ordinal_key", ("platform_service_account_id",
+                                                                   "acceptance_ordinal")),
+        Unique("platform_service_account_broadcasts_seq_key", ("platform_service_account_id", "broadcast_seq")),
+        Unique("platform_service_account_broadcasts_client_key", ("platform_service_account_id", "operator_id",
+                                                                  "client_broadcast_id")),
+    ),
+    checks=(
+        id_check("platform_service_account_broadcasts", "id", "pbc"),
+        enum_check("platform_service_account_broadcasts", "state",
+                   ("waiting_provisioning", "accepted", "dispatching", "completed", "completed_with_exceptions",
+                    "closed")),
+        Check("platform_service_account_broadcasts_sequenced",
+              "(broadcast_seq IS NULL) = (state = 'waiting_provisioning') "
+              "AND (broadcast_seq IS NULL) = (sequenced_at IS NULL)"),
+        Check("platform_service_account_broadcasts_completed",
+              "(completed_at IS NOT NULL) = (state IN ('completed', 'completed_with_exceptions', 'closed'))"),
+        Check("platform_service_account_broadcasts_enumerated",
+              "enumeration_complete OR state IN ('waiting_provisioning', 'accepted')"),
+        Check("platform_service_account_broadcasts_digest_length", "octet_length(payload_digest) = 32"),
+    ),
+    foreign_keys=(
+        ForeignKey("platform_service_account_broadcasts_account_fkey", ("platform_service_account_id",),
+                   "platform_service_accounts", ("id",), on_delete="CASCADE"),
+        ForeignKey("platform_service_account_broadcasts_operator_fkey", ("operator_id",), "platform_operators",
+                   ("id",)),
+    ),
+    indexes=(
+        # The allocator's head of line: the lowest unsequenced ordinal.
+        Index("platform_service_account_broadcasts_waiting_idx", "platform_service_account_id, acceptance_ordinal",
+              where="broadcast_seq IS NULL"),
+        Index("platform_service_account_broadcasts_open_idx", "platform_service_account_id, broadcast_seq",
+              where="state IN ('accepted', 'dispatching')"),
+    ),
+))
+
+# Per-workspace targets of a broadcast and their execution fence (§4.5): lease token, expiry, placement epoch.
+platform_service_account_broadcast_deliveries = introduced_in(5, Table(
+    "platform_service_account_broadcast_deliveries",
+    columns=(
+        Column("id", "text"),
+        Column("broadcast_id", "text"),
+        Column("platform_service_account_id", "text"),
+        Column("workspace_id", "text"),
+        Column("local_service_account_id", "text"),
+        Column("local_scope_id", "text"),
+        Column("broadcast_seq", "bigint"),
+        Column("recipient_eligible", "boolean"),
+        Column("state", "text", default="'queued'"),
+        Column("outcome", "text", nullable=True),
+        Column("attempt", "integer", default="0"),
+        Column("lease_token", "text", nullable=True),
+        Column("lease_expires_at", TS, nullable=True),
+        Column("placement_epoch", "bigint", nullable=True),
+        Column("next_attempt_at", TS, default=NOW),
+        Column("local_message_id", "text", nullable=True),
+        Column("last_error", "text", nullable=True),
+        Column("version", "bigint", default="1"),
+        *timestamps(),
+    ),
+    primary_key=("id",),
+    uniques=(
+        Unique("platform_service_account_broadcast_deliveries_target_key", ("broadcast_id", "workspace_id")),
+        Unique("platform_service_account_broadcast_deliveries_order_key",
+               ("platform_service_account_id", "workspace_id", "broadcast_seq")),
+    ),
+    checks=(
+        id_check("platform_service_account_broadcast_deliveries", "id", "pbd"),
+        enum_check("platform_service_account_broadcast_deliveries", "state",
+                   ("queued", "leased", "waiting_instance", "waiting_audience", "retry_wait", "operator_attention",
+                    "delivered", "closed", "skipped")),
+        Check("platform_service_account_broadcast_deliveries_outcome",
+              "(outcome IS NULL) = (state NOT IN ('delivered', 'closed', 'skipped')) AND (outcome IS NULL "
+              "OR (state = 'delivered' AND outcome = 'delivered' AND local_message_id IS NOT NULL) "
+              "OR (state = 'closed' AND outcome = 'generation_excluded' AND NOT recipient_eligible) "
+              "OR (state = 'skipped' AND outcome = 'skipped'))"),
+        Check("platform_service_account_broadcast_deliveries_lease",
+              "(state = 'leased') = (lease_token IS NOT NULL) "
+              "AND (lease_token IS NULL) = (lease_expires_at IS NULL)"),
+        Check("platform_service_account_broadcast_deliveries_excluded",
+              "recipient_eligible OR local_message_id IS NULL"),
+    ),
+    foreign_keys=(
+        ForeignKey("platform_service_account_broadcast_deliveries_broadcast_fkey", ("broadcast_id",),
+                   "platform_service_account_broadcasts", ("id",), on_delete="CASCADE"),
+        ForeignKey("platform_service_account_broadcast_deliveries_account_fkey", ("platform_service_account_id",),
+                   "platform_service_accounts", ("id",), on_delete="CASCADE"),
+        ForeignKey("platform_service_account_broadcast_deliveries_workspace_fkey", ("workspace_id",), "workspaces",
+                   ("id",)),
+    ),
+    indexes=(
+        # The dispatcher's per-workspace heads: unsettled rows in seq order.
+        Index("platform_service_account_broadcast_deliveries_unsettled_idx",
+              "platform_service_account_id, workspace_id, broadcast_seq",
+              where="state NOT IN ('delivered', 'closed', 'skipped')"),
+        Index("platform_service_account_broadcast_deliveries_broadcast_idx", "broadcast_id, state"),
+    ),
+))
+
+# Which node serves a workspace, with the epoch that fences work a former owner leased (§4.5).
+workspace_placements = introduced_in(5, Table(
+    "workspace_placements",
+    columns=(
+        Column("workspace_id", "text"),
+        Column("node_id", "text"),
+        Column("placement_epoch", "bigint", default="1"),
+        Column("updated_at", TS, default=NOW),
+    ),
+    primary_key=("workspace_id",),
+    checks=(Check("workspace_placements_epoch_positive", "placement_epoch >= 1"),),
+    foreign_keys=(ForeignKey("workspace_placements_workspace_fkey", ("workspace_id",), "workspaces", ("id",)),),
+))
+
+# Content the moderation boundary refused (scope-model §3.6.1): a security fact for the operators' review,
+# kept when the account is deleted (no foreign keys).
+platform_moderation_logs = introduced_in(5, Table(
+    "platform_moderation_logs",
+    columns=(
+        Column("id", "text"),
+        Column("target_type", "text"),
+        Column("platform_service_account_id", "text", nullable=True),
+        Column("operator_id", "text", nullable=True),
+        Column("client_broadcast_id", "text", nullable=True),
+        Column("title", "text"),
+        Column("content", "text"),
+        Column("matched_keywords", "text[]"),
+        Column("created_at", TS, default=NOW),
+    ),
+    primary_key=("id",),
+    checks=(
+        id_check("platform_moderation_logs", "id", "pml"),
+        enum_check("platform_moderation_logs", "target_type", ("platform_broadcast",)),
+    ),
+    indexes=(Index("platform_moderation_logs_created_idx", "created_at"),),
+))
+
+platform_service_account_audit_events = introduced_in(5, Table(
+    "platform_service_account_audit_events",
+    columns=(
+        Column("id", "text"),
+        Column("platform_service_account_id", "text", nullable=True),
+        Column("subject_type", "text"),
+        Column("subject_id", "text"),
+        Column("subject_version", "bigint", nullable=True),
+        Column("action", "text"),
+        Column("operator_id", "text", nullable=True),
+        Column("permission_basis", "text"),
+        Column("correlation_id", "text"),
+        Column("broadcast_id", "text", nullable=True),
+        Column("broadcast_seq", "bigint", nullable=True),
+        Column("details", "jsonb", default="'{}'::jsonb"),
+        Column("created_at", TS, default=NOW),
+    ),
+    primary_key=("id",),
+    checks=(
+        id_check("platform_service_account_audit_events", "id", "pae"),
+        enum_check("platform_service_account_audit_events", "subject_type",
+                   ("platform_service_account", "broadcast", "delivery", "instance")),
+    ),
+    foreign_keys=(
+        ForeignKey("platform_service_account_audit_events_account_fkey", ("platform_service_account_id",),
+                   "platform_service_accounts", ("id",), on_delete="SET NULL"),
+        ForeignKey("platform_service_account_audit_events_operator_fkey", ("operator_id",), "platform_operators",
+                   ("id",)),
+    ),
+    indexes=(
+        Index("platform_service_account_audit_events_account_idx", "platform_service_account_id, id",
+              where="platform_service_account_id IS NOT NULL"),
+    ),
+))
+
 SCHEMA = Schema(
     tables=(
         instance_metadata,
@@ -1659,6 +2036,16 @@ SCHEMA = Schema(
         approval_notification_intents,
         service_notification_cards,
         scope_message_pins,
+        platform_operators,
+        platform_operator_keys,
+        platform_service_accounts,
+        platform_service_account_provisioning_inputs,
+        platform_service_account_workspace_instances,
+        platform_service_account_broadcasts,
+        platform_service_account_broadcast_deliveries,
+        workspace_placements,
+        platform_moderation_logs,
+        platform_service_account_audit_events,
     ),
     versions=(
         Version(1, "tenancy kernel and message domain",
@@ -1675,6 +2062,8 @@ SCHEMA = Schema(
         Version(3, "routed delivery: per-recipient delivery feeds and the sparse targeted delivery ledger"),
         Version(4, "workspace service accounts: Service Actor substrate, accounts, create requests, approvals, "
                    "managers, audit, human lifecycle, shared pins"),
+        Version(5, "platform service accounts: operators, provisioning generations, workspace instances, "
+                   "broadcasts, fenced deliveries, workspace placements, moderation log"),
     ),
     extensions=EXTENSIONS,
 )

@@ -19,6 +19,7 @@ from typing import Any
 import asyncpg
 import msgspec
 
+from domain.platform import PLATFORM_CHANNEL
 from domain.service_accounts import APPROVALS_SLUG, SERVICE_ACCOUNT_SLUG, identity_key, normalize_name, target_id
 from storage import applier, deliveries, human_lifecycle, visibility
 from storage.errors import Conflict, NotFound
@@ -55,7 +56,7 @@ async def hold_workspace(conn: asyncpg.Connection, workspace_id: str) -> None:
 
 # --- the Service Actor substrate ------------------------------------------------------------------------
 
-async def _definition(conn: asyncpg.Connection, slug: str, kind: str, mode: str,
+async def ensure_definition(conn: asyncpg.Connection, slug: str, kind: str, mode: str,
                       delivery_contract: str) -> tuple[str, str]:
     """The shared product registration `slug` and its message.write capability (created on first use)."""
     await conn.execute(
@@ -85,7 +86,7 @@ def _handles(name: str, member_id: str) -> tuple[str, str]:
     return f"{base}-{body[-6:]}", f"{base}-{body}"
 
 
-async def _install(conn: asyncpg.Connection, workspace_id: str, definition_id: str, capability_id: str,
+async def install_named(conn: asyncpg.Connection, workspace_id: str, definition_id: str, capability_id: str,
                    instance_key: str, name: str) -> tuple[str, str, str]:
     """A named installation with its service member (a `members` row of kind service) and a live
     message.write grant.  Returns (installation id, service member id, author member id)."""
@@ -123,7 +124,7 @@ async def _install(conn: asyncpg.Connection, workspace_id: str, definition_id: s
 
 async def approvals_app_member(conn: asyncpg.Connection, workspace_id: str) -> str:
     """The built-in Approvals app's author member in this workspace (installed on first use)."""
-    definition_id, capability_id = await _definition(conn, APPROVALS_SLUG, "app", "workspace_singleton",
+    definition_id, capability_id = await ensure_definition(conn, APPROVALS_SLUG, "app", "workspace_singleton",
                                                      "app_notification")
     existing = await conn.fetchval(
         "SELECT sm.member_id FROM service_installations i JOIN service_members sm ON sm.service_installation_id = i.id "
@@ -134,7 +135,7 @@ async def approvals_app_member(conn: asyncpg.Connection, workspace_id: str) -> s
         return existing
     async with conn.transaction():  # a concurrent first use: the loser reads the winner's
         try:
-            _, _, member_id = await _install(conn, workspace_id, definition_id, capability_id, "workspace",
+            _, _, member_id = await install_named(conn, workspace_id, definition_id, capability_id, "workspace",
                                              "Approvals")
             return member_id
         except asyncpg.UniqueViolationError:
@@ -196,10 +197,10 @@ async def create_account(conn: asyncpg.Connection, *, workspace_id: str, creator
     # before (the first pass sees them) or numbers its event after this account exists (and bumps it).
     lifecycle_seq = (await human_lifecycle.lock_workspace_policy(conn, workspace_id))["human_lifecycle_seq"]
     await _claim_name(conn, workspace_id, normalized)
-    definition_id, capability_id = await _definition(conn, SERVICE_ACCOUNT_SLUG, "service_account",
+    definition_id, capability_id = await ensure_definition(conn, SERVICE_ACCOUNT_SLUG, "service_account",
                                                      "named_multi_instance", "service_account_message")
     account_id, scope_id = new_id("sac"), new_id("scp")
-    installation_id, service_member_id, author_member_id = await _install(
+    installation_id, service_member_id, author_member_id = await install_named(
         conn, workspace_id, definition_id, capability_id, account_id, name)
     await applier.insert_scope(conn, scope_id=scope_id, workspace_id=workspace_id, type="service_account",
                                created_by=creator_member_id, identity_key=identity_key(workspace_id, account_id))
@@ -578,6 +579,13 @@ async def finish_reconcile_step(conn: asyncpg.Connection, step: ReconcileStep,
     )
     fulfilled = None
     if state == "ready":
+        # A platform instance whose audience is ready lets its account's provisioning complete (§2.4).
+        platform_account_id = await conn.fetchval(
+            "UPDATE platform_service_account_workspace_instances SET provisioning_state = 'ready', "
+            "version = version + 1, updated_at = now() WHERE local_service_account_id = $1 "
+            "AND provisioning_state <> 'ready' RETURNING platform_service_account_id", step.account_id)
+        if platform_account_id is not None:
+            await conn.execute("SELECT pg_notify($1, $2)", PLATFORM_CHANNEL, platform_account_id)
         fulfilled = await conn.fetchval(
             "UPDATE service_account_create_requests SET business_state = 'fulfilled', fulfilled_at = now(), "
             "version = version + 1, updated_at = now() WHERE created_service_account_id = $1 "

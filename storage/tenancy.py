@@ -17,7 +17,7 @@ from datetime import datetime
 import asyncpg
 
 from domain.service_accounts import LifecycleChange
-from storage import human_lifecycle
+from storage import human_lifecycle, platform_inputs
 from storage.errors import Conflict, Forbidden, NotFound, WriteFenced
 from storage.ids import new_id
 
@@ -211,6 +211,8 @@ async def create_workspace(conn: asyncpg.Connection, *, instance_id: str, name: 
         "INSERT INTO workspace_execution_states (workspace_id, instance_id) VALUES ($1, $2)", workspace_id, instance_id
     )
     membership_id, member_id = await add_human_member(conn, workspace_id, account_id, "owner", None)
+    # Every platform service account gets an instance in the new workspace (service-account §2.4).
+    await platform_inputs.record_workspace_created(conn, workspace_id)
     return NewWorkspace(workspace_id, account_id, membership_id, member_id, created)
 
 

@@ -1,0 +1,348 @@
+"""PlatformAccountActor (service-account §2.4, §4.5): one trio task per platform
+service account, the only writer of its acceptance ordinals, broadcast seqs,
+workspace-instance intervals and delivery leases.  Each step below is one
+bounded transaction under the account's root lock, so a crash resumes from the
+rows: provisioning by workspace-id cursor, head-of-line seq allocation,
+enumeration by workspace-id cursor, and leases that expire.
+
+Commands arrive over a trio memory channel; between them the actor advances
+whatever work the rows show, then sleeps until a command, a wake (NOTIFY: a
+workspace was created, an instance became ready) or the next backoff or lease
+expiry.  Deliveries run concurrently (bounded) as PlatformDelivery commands in
+the local scopes' actors, which check the lease in the message transaction."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+import asyncpg
+import trio
+
+from actors.platform_delivery import PlatformDelivery
+from actors.scope_actor import ActorFailed, Refused, Reply
+from domain.platform import BroadcastSnapshot, Lease, client_message_id
+from domain.plan import ActorContext
+from storage import platform as store
+from storage.errors import NotFound, StorageError
+from storage.ids import new_id
+
+log = logging.getLogger("scopewire.platform")
+
+SYSTEM_MEMBER = "system"
+PROVISION_BATCH = 50  # workspaces opened per provisioning transaction
+ENUMERATION_PAGE = 500  # deliveries written per enumeration transaction
+PROFILE_BATCH = 200
+IDLE_RECHECK_SECONDS = 30.0  # a periodic look at the rows, whatever woke or did not wake us
+
+
+@dataclass(frozen=True)
+class PlatformSettings:
+    delivery_concurrency: int = 16
+    lease_seconds: float = 30.0
+    max_attempts: int = 8
+    retry_base_seconds: float = 1.0
+    lease_batch: int = 256
+
+
+@dataclass
+class PlatformServices:
+    """What an actor needs from the process: the database, the scope actors, this node's id, and where
+    its events go (`emit(event, **ids)`, the server's projection to operators and workspaces)."""
+
+    db: Any
+    scopes: Any  # actors.registry.ScopeRegistry
+    node_id: str
+    settings: PlatformSettings
+    emit: Callable[..., Awaitable[None]]
+
+
+@dataclass
+class PlatformCommand:
+    reply: Reply = field(default_factory=Reply, init=False)
+
+
+@dataclass
+class AcceptBroadcast(PlatformCommand):
+    operator_id: str
+    client_broadcast_id: str
+    title: str
+    content: str
+    message_type: str
+    correlation_id: str
+
+
+@dataclass
+class UpdateProfile(PlatformCommand):
+    expected_version: int
+    name: str | None
+    description: str | None
+    operator_id: str
+    correlation_id: str
+
+
+@dataclass
+class DeleteAccount(PlatformCommand):
+    expected_version: int
+    operator_id: str
+    correlation_id: str
+
+
+@dataclass
+class RetryDelivery(PlatformCommand):
+    delivery_id: str
+    expected_version: int
+    operator_id: str
+    correlation_id: str
+
+
+@dataclass
+class SettleSkip(PlatformCommand):
+    delivery_id: str
+    expected_version: int
+    operator_id: str
+    correlation_id: str
+
+
+class PlatformAccountActor:
+    def __init__(self, account_id: str, services: PlatformServices) -> None:
+        self.account_id = account_id
+        self.services = services
+        self.db = services.db
+        self.settings = services.settings
+        self.mailbox, self._inbox = trio.open_memory_channel[PlatformCommand](64)
+        self._wake = trio.Event()
+        self.deleted = False
+        self._snapshots: dict[str, BroadcastSnapshot] = {}
+        # Dispatch table: one handler per command type.
+        self._handlers: dict[type, Callable[[Any], Awaitable[Any]]] = {
+            AcceptBroadcast: self._accept, UpdateProfile: self._update, DeleteAccount: self._delete,
+            RetryDelivery: self._retry, SettleSkip: self._settle_skip,
+        }
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def submit(self, command: PlatformCommand) -> Any:
+        await self.mailbox.send(command)
+        self.wake()
+        return await command.reply.wait()
+
+    async def run(self) -> None:
+        while not self.deleted:
+            self._wake = trio.Event()
+            await self._serve_mailbox()
+            if self.deleted:
+                break
+            try:
+                progressed = await self._advance()
+            except NotFound:
+                break  # deleted (by another process): nothing is left to advance
+            except (StorageError, asyncpg.PostgresError) as exc:
+                log.warning("platform account step failed; retrying", extra={"platform_service_account_id":
+                                                                               self.account_id, "error": str(exc)})
+                progressed = False
+            if progressed:
+                continue
+            await self._sleep()
+        self._inbox.close()
+
+    async def _sleep(self) -> None:
+        try:
+            due = await self.db.run(store.next_due_seconds, self.account_id)
+        except StorageError:
+            due = None
+        timeout = IDLE_RECHECK_SECONDS if due is None else min(IDLE_RECHECK_SECONDS, due + 0.05)
+        with trio.move_on_after(timeout):
+            await self._wake.wait()
+
+    async def _serve_mailbox(self) -> None:
+        while True:
+            try:
+                command = self._inbox.receive_nowait()
+            except trio.WouldBlock:
+                return
+            try:
+                command.reply.set(await self._handlers[type(command)](command))
+            except (Refused, StorageError, asyncpg.PostgresError) as exc:
+                command.reply.fail(exc)
+            except Exception as exc:  # a bug: the caller answers `internal`, the actor lives on
+                log.exception("platform command failed", extra={"platform_service_account_id": self.account_id})
+                command.reply.fail(ActorFailed(str(exc)))
+
+    # --- commands ------------------------------------------------------------------------------------
+
+    async def _accept(self, command: AcceptBroadcast) -> store.Accepted:
+        return await self.db.transaction(
+            store.accept_broadcast, account_id=self.account_id, operator_id=command.operator_id,
+            client_broadcast_id=command.client_broadcast_id, title=command.title, content=command.content,
+            message_type=command.message_type, correlation_id=command.correlation_id)
+
+    async def _update(self, command: UpdateProfile) -> Any:
+        return await self.db.transaction(store.update_profile, self.account_id, command.expected_version,
+                                         command.name, command.description, command.operator_id,
+                                         command.correlation_id)
+
+    async def _delete(self, command: DeleteAccount) -> Any:
+        root, locals_ = await self.db.transaction(store.delete_account, self.account_id, command.expected_version,
+                                                  command.operator_id, command.correlation_id)
+        self.deleted = True
+        return root, locals_
+
+    async def _retry(self, command: RetryDelivery) -> Any:
+        return await self.db.transaction(store.retry_delivery, command.delivery_id, command.expected_version,
+                                         command.operator_id, command.correlation_id)
+
+    async def _settle_skip(self, command: SettleSkip) -> Any:
+        row = await self.db.run(store.delivery, command.delivery_id)
+        return await self.db.transaction(store.settle_skip, command.delivery_id, command.expected_version,
+                                         command.operator_id, command.correlation_id,
+                                         client_message_id(row["broadcast_id"]))
+
+    # --- advancing the rows ------------------------------------------------------------------------------
+
+    async def _advance(self) -> bool:
+        """One bounded step of each kind of work; True when any moved (there may be more)."""
+        correlation = new_id("req")
+        progressed = await self._provision(correlation)
+        progressed |= await self._profile()
+        numbered = await self.db.transaction(store.allocate_step, self.account_id, correlation)
+        progressed |= bool(numbered)
+        progressed |= await self.db.transaction(store.enumerate_step, self.account_id, ENUMERATION_PAGE)
+        progressed |= await self._dispatch(correlation)
+        finished = await self.db.transaction(store.finish_broadcasts, self.account_id, correlation)
+        for broadcast_id in finished:
+            self._snapshots.pop(broadcast_id, None)
+            await self._emit("platform_service_account.broadcast_completed", broadcast_id=broadcast_id)
+        return progressed or bool(finished)
+
+    async def _provision(self, correlation: str) -> bool:
+        step = await self.db.transaction(store.provision_step, self.account_id, PROVISION_BATCH, correlation)
+        for instance in step.opened:
+            await self._emit("platform_service_account.instance_changed", account_id=self.account_id,
+                             workspace_id=instance["workspace_id"], provisioning_state="identity_ready",
+                             local_service_account_id=instance["local_service_account_id"])
+        if step.became_ready:
+            await self._emit("platform_service_account.updated", account_id=self.account_id)
+        return bool(step.opened) or step.became_ready or step.more
+
+    async def _profile(self) -> bool:
+        changed = await self.db.transaction(store.propagate_profile_step, self.account_id, PROFILE_BATCH)
+        for local in changed:
+            await self._emit("service_account.updated", workspace_id=local["workspace_id"], local=local)
+        return bool(changed)
+
+    async def _dispatch(self, correlation: str) -> bool:
+        excluded = await self.db.transaction(store.settle_excluded_heads, self.account_id, correlation)
+        leases = await self.db.transaction(store.lease_heads, self.account_id, self.services.node_id,
+                                           self.settings.lease_seconds, self.settings.lease_batch)
+        if leases:
+            limiter = trio.CapacityLimiter(self.settings.delivery_concurrency)
+            async with trio.open_nursery() as nursery:
+                for lease in leases:
+                    nursery.start_soon(self._deliver, lease, limiter)
+        return bool(excluded or leases)
+
+    async def _snapshot(self, broadcast_id: str) -> BroadcastSnapshot:
+        snapshot = self._snapshots.get(broadcast_id)
+        if snapshot is None:
+            row = await self.db.run(store.broadcast, broadcast_id)
+            snapshot = BroadcastSnapshot(row["id"], row["platform_service_account_id"], row["broadcast_seq"],
+                                         row["title"], row["content"], bytes(row["payload_digest"]),
+                                         row["operator_id"], row["correlation_id"])
+            self._snapshots[broadcast_id] = snapshot
+        return snapshot
+
+    async def _deliver(self, lease: Lease, limiter: trio.CapacityLimiter) -> None:
+        async with limiter:
+            system = ActorContext(workspace_id=lease.workspace_id, member_id=SYSTEM_MEMBER, member_kind="system",
+                                  owner_member_id=None, execution_generation=lease.execution_generation)
+            try:
+                await self.services.scopes.submit(lease.local_scope_id,
+                                                  PlatformDelivery(system, lease, await self._snapshot(lease.broadcast_id)))
+                return
+            except Refused as exc:
+                reason, error = exc.reason, exc.message
+            except (StorageError, asyncpg.PostgresError, ActorFailed) as exc:
+                reason, error = None, f"{type(exc).__name__}: {exc}"
+        if reason in ("stale_lease", "stale_placement"):
+            return  # another lease or another node owns it now; an expired lease is taken again later
+        if reason == "out_of_order":
+            state, delay = "queued", 0.0
+        elif reason == "audience_not_ready":
+            state, delay = "waiting_audience", self.settings.retry_base_seconds
+        else:
+            attempts = await self._attempts(lease)
+            exhausted = attempts >= self.settings.max_attempts
+            state = "operator_attention" if exhausted else "retry_wait"
+            delay = 0.0 if exhausted else min(60.0, self.settings.retry_base_seconds * 2 ** max(0, attempts - 1))
+        try:
+            settled = await self.db.transaction(store.settle_failure, lease, state=state, error=error or "",
+                                                delay_seconds=delay)
+        except StorageError as exc:
+            log.warning("could not record a failed delivery; its lease expires instead",
+                        extra={"delivery_id": lease.delivery_id, "error": str(exc)})
+            return
+        if settled is not None and state != "queued":
+            log.info("platform delivery not done", extra={"delivery_id": lease.delivery_id, "state": state,
+                                                          "error": error})
+            await self._emit("platform_service_account.broadcast_delivery_changed", delivery_id=lease.delivery_id)
+
+    async def _attempts(self, lease: Lease) -> int:
+        try:
+            return (await self.db.run(store.delivery, lease.delivery_id))["attempt"]
+        except NotFound:
+            return 0
+
+    async def _emit(self, event: str, **ids: Any) -> None:
+        try:
+            await self.services.emit(event, **ids)
+        except (StorageError, NotFound) as exc:
+            log.warning("platform event not published", extra={"event": event, "error": str(exc)})
+
+
+class PlatformRegistry:
+    """The platform actors of this process: one per account, started at boot (a crash resumes from the
+    rows) and when an account is created; an account's actor ends when it is deleted."""
+
+    def __init__(self, services: PlatformServices, nursery: trio.Nursery) -> None:
+        self.services = services
+        self._nursery = nursery
+        self._actors: dict[str, PlatformAccountActor] = {}
+
+    def actor(self, account_id: str) -> PlatformAccountActor:
+        actor = self._actors.get(account_id)
+        if actor is None:
+            actor = PlatformAccountActor(account_id, self.services)
+            self._actors[account_id] = actor
+            self._nursery.start_soon(self._supervise, actor)
+        return actor
+
+    async def _supervise(self, actor: PlatformAccountActor) -> None:
+        try:
+            await actor.run()
+        except Exception:
+            log.exception("platform actor crashed", extra={"platform_service_account_id": actor.account_id})
+        finally:
+            if self._actors.get(actor.account_id) is actor:
+                del self._actors[actor.account_id]
+
+    async def start_all(self) -> None:
+        for account_id in await self.services.db.run(store.account_ids):
+            self.actor(account_id)
+
+    def wake(self, account_id: str) -> None:
+        """A NOTIFY arrived: '*' wakes every actor (a workspace was created), else one."""
+        if account_id == "*":
+            for actor in list(self._actors.values()):
+                actor.wake()
+        else:
+            self.actor(account_id).wake()
+
+    async def submit(self, account_id: str, command: PlatformCommand) -> Any:
+        return await self.actor(account_id).submit(command)
+
+    @property
+    def active(self) -> int:
+        return len(self._actors)

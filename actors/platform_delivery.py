@@ -1,0 +1,96 @@
+"""The workspace side of a platform broadcast (service-account §4.5): one
+delivery, run by the local account's scope actor in its batch transaction —
+the actor that owns the scope's sequence writes the message.
+
+The execution fence is checked in that same transaction before anything is
+written: the platform root (key share, so Delete waits for it), the delivery's
+lease token, version and expiry, the workspace's placement epoch, and the
+instance's cursor (the previous broadcast seq is applied here).  A stale fence
+refuses with its reason and commits nothing; a lost reply converges on retry
+through the deterministic client id."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import asyncpg
+
+from actors.fanout import CommittedEvent
+from actors.scope_actor import Command, Outcome, Refused, ScopeActor, register_command
+from actors.service_accounts import post_metadata
+from domain.platform import DELIVERY_PERMISSION_BASIS, BroadcastSnapshot, Lease, client_message_id
+from domain.plan import ActorContext, DeliveryPolicy, MessageIntent, MessagePlan, OutboxEvent, ScopeContext
+from domain.service_accounts import POST_MESSAGE_TYPE
+from storage import applier, messages
+from storage import platform as store
+from storage import service_accounts as accounts
+from storage.errors import Conflict
+from storage.human_lifecycle import record_audit
+
+
+@dataclass
+class PlatformDelivery(Command):
+    lease: Lease
+    broadcast: BroadcastSnapshot
+    requires_membership = False  # the trusted platform delivery service, not a member
+
+
+@register_command(PlatformDelivery)
+async def deliver(actor: ScopeActor, conn: asyncpg.Connection, state: ScopeContext,
+                  command: PlatformDelivery) -> Outcome:
+    lease, broadcast = command.lease, command.broadcast
+    try:
+        instance = await store.fence_delivery(conn, lease, broadcast.platform_service_account_id)
+    except Conflict as exc:
+        raise Refused("conflict", str(exc), exc.reason) from None
+    account = await accounts.publish_authority(conn, state.workspace_id, state.scope_id, "")
+    if account["id"] != instance["local_service_account_id"]:
+        raise Refused("conflict", "the instance moved to another local account", "stale_lease")
+    if account["audience_state"] == "provisioning" or not account["grant_live"]:
+        raise Refused("conflict", "the local account's audience or grant is not ready", "audience_not_ready")
+    author = account["author_member_id"]
+    client_id = client_message_id(broadcast.broadcast_id)
+    existing = (await applier.find_idempotent(conn, state.scope_id, [client_id])).get((author, author, client_id))
+    if existing is not None:
+        # A retry after a lost settlement: the message is there, the delivery converges on it.
+        await store.settle_delivered(conn, lease, instance["id"], existing["id"])
+        return Outcome(messages.committed_from_row(existing, replayed=True))
+    intent = MessageIntent(scope_id=state.scope_id, content=broadcast.content, message_type=POST_MESSAGE_TYPE,
+                           client_message_id=client_id, metadata=post_metadata(broadcast.title, None))
+    service = ActorContext(workspace_id=state.workspace_id, member_id=author, member_kind="service",
+                           owner_member_id=None, execution_generation=command.actor.execution_generation,
+                           notify_principal_member_id=author, idempotency_subject_member_id=author)
+    plan = MessagePlan(intent=intent, actor=service, digest=broadcast.payload_digest, live_mentions=(),
+                       membership_mutations=(), explain=(),
+                       outbox=(OutboxEvent("message", "message.created",
+                                           DeliveryPolicy.AUTONOMOUS_STORE_RECOVERABLE),))
+    message, = await applier.insert_messages(conn, state.workspace_id, state.scope_id, [plan])
+    await record_audit(conn, workspace_id=state.workspace_id, service_account_id=account["id"],
+                       subject_type="message", subject_id=message.id, subject_version=1, action="message.created",
+                       actor_type="system", actor_member_id=None, permission_basis=DELIVERY_PERMISSION_BASIS,
+                       correlation_id=broadcast.correlation_id, durable_author_member_id=author,
+                       message_id=message.id, message_version=1, after_digest=broadcast.payload_digest.hex(),
+                       details={"platform_service_account_id": broadcast.platform_service_account_id,
+                                "broadcast_id": broadcast.broadcast_id, "broadcast_seq": broadcast.broadcast_seq,
+                                "caused_by_operator_id": broadcast.operator_id,
+                                "execution_actor": "platform_broadcast_delivery",
+                                "routing_principal_member_id": author, "notify_principal_member_id": author,
+                                "idempotency_subject_member_id": author, "client_message_id": client_id,
+                                "delivery_id": lease.delivery_id})
+    await store.settle_delivered(conn, lease, instance["id"], message.id)
+    return Outcome(message, [CommittedEvent("message.created", message.workspace_id, message.scope_id, message.seq,
+                                            message.workspace_global_seq, message)])
+
+
+@dataclass
+class ScopeErased(Command):
+    """System: a platform account's delete erased this scope in its own transaction; the live actor
+    drops its state (its reload finds no scope)."""
+
+    requires_membership = False
+
+
+@register_command(ScopeErased)
+async def erased(actor: ScopeActor, conn: asyncpg.Connection, state: ScopeContext, command: ScopeErased) -> Outcome:
+    actor.forget_state()
+    return Outcome(None)
