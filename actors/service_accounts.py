@@ -235,6 +235,9 @@ async def reconcile(actor: ScopeActor, conn: asyncpg.Connection, state: ScopeCon
 async def delete(actor: ScopeActor, conn: asyncpg.Connection, state: ScopeContext,
                  command: DeleteServiceAccount) -> Outcome:
     account = await store.account_of_scope(conn, state.workspace_id, state.scope_id)
+    if account["management_kind"] == "platform":
+        raise Refused("forbidden", "a platform service account is deleted by the platform's operators",
+                      "platform_managed")
     manager = await store.is_manager(conn, account["id"], command.actor.member_id)
     if not (manager or command.governor):
         raise Refused("forbidden", "only a manager or an owner/admin deletes the account", "not_a_manager")

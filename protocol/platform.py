@@ -49,7 +49,7 @@ class PlatformSubscribe(Request, tag="platform.subscribe"):
     """Receive the platform events (`platform_service_account.*`) on this connection."""
 
 
-class AccountCreate(Request, tag="platform.account.create"):
+class PlatformAccountCreate(Request, tag="platform.account.create"):
     """Create a platform service account named `name` (trimmed; unique in the
     deployment ignoring case, across platform accounts and every workspace's own
     accounts: `conflict`, reason `name_taken`).  It is then provisioned into
@@ -59,18 +59,18 @@ class AccountCreate(Request, tag="platform.account.create"):
     description: AccountDescription = ""
 
 
-class AccountList(Request, tag="platform.account.list"):
+class PlatformAccountList(Request, tag="platform.account.list"):
     """Every platform account, by id."""
 
     cursor: Cursor | None = None
     limit: Limit = 50
 
 
-class AccountGet(Request, tag="platform.account.get"):
+class PlatformAccountGet(Request, tag="platform.account.get"):
     platform_service_account_id: Id
 
 
-class AccountUpdate(Request, tag="platform.account.update"):
+class PlatformAccountUpdate(Request, tag="platform.account.update"):
     """Change the profile; `expected_version` is the account's `version`
     (`conflict`, reason `version_mismatch`).  `profile_version` moves and every
     workspace instance takes the new profile (`applied_profile_version`)."""
@@ -81,7 +81,7 @@ class AccountUpdate(Request, tag="platform.account.update"):
     description: AccountDescription | None = None
 
 
-class AccountDelete(Request, tag="platform.account.delete"):
+class PlatformAccountDelete(Request, tag="platform.account.delete"):
     """Delete the account for good, in one transaction under its root lock: every
     workspace instance with its timeline and messages, every broadcast and
     delivery, and its name (free again).  The audit keeps the facts."""
@@ -90,7 +90,7 @@ class AccountDelete(Request, tag="platform.account.delete"):
     expected_version: Version
 
 
-class InstanceList(Request, tag="platform.account.instances"):
+class PlatformInstanceList(Request, tag="platform.account.instances"):
     """The account's workspace instances, by workspace id."""
 
     platform_service_account_id: Id
@@ -127,7 +127,7 @@ class BroadcastList(Request, tag="platform.broadcast.list"):
     limit: Limit = 50
 
 
-class DeliveryList(Request, tag="platform.broadcast.deliveries"):
+class BroadcastDeliveryList(Request, tag="platform.broadcast.deliveries"):
     """Delivery diagnostics of a broadcast: one row per targeted workspace (and
     per `generation_excluded` settlement), by workspace id, optionally one state."""
 
@@ -137,7 +137,7 @@ class DeliveryList(Request, tag="platform.broadcast.deliveries"):
     limit: Limit = 50
 
 
-class DeliveryRetry(Request, tag="platform.delivery.retry"):
+class BroadcastDeliveryRetry(Request, tag="platform.delivery.retry"):
     """Requeue a delivery in `operator_attention`, `retry_wait`, `waiting_audience`
     or `waiting_instance` now, with a fresh attempt budget (`conflict`, reason
     `version_mismatch` or `not_retryable`)."""
@@ -146,7 +146,7 @@ class DeliveryRetry(Request, tag="platform.delivery.retry"):
     expected_version: Version
 
 
-class DeliverySettleSkip(Request, tag="platform.delivery.settle_skip"):
+class BroadcastDeliverySettleSkip(Request, tag="platform.delivery.settle_skip"):
     """Give up on an unsettled delivery: if its message exists it settles
     `delivered`, otherwise `skipped` (audited); either way the workspace moves on
     to its next broadcast.  `conflict`, reason `version_mismatch` or
@@ -156,7 +156,7 @@ class DeliverySettleSkip(Request, tag="platform.delivery.settle_skip"):
     expected_version: Version
 
 
-class AuditList(Request, tag="platform.audit.list"):
+class PlatformAuditList(Request, tag="platform.audit.list"):
     """Platform audit events, newest first; optionally one account's (also after its deletion)."""
 
     platform_service_account_id: Id | None = None
@@ -165,8 +165,8 @@ class AuditList(Request, tag="platform.audit.list"):
 
 
 FRAMES: tuple[type[Request], ...] = (
-    PlatformSubscribe, AccountCreate, AccountList, AccountGet, AccountUpdate, AccountDelete, InstanceList,
-    BroadcastCreate, BroadcastGet, BroadcastList, DeliveryList, DeliveryRetry, DeliverySettleSkip, AuditList,
+    PlatformSubscribe, PlatformAccountCreate, PlatformAccountList, PlatformAccountGet, PlatformAccountUpdate, PlatformAccountDelete, PlatformInstanceList,
+    BroadcastCreate, BroadcastGet, BroadcastList, BroadcastDeliveryList, BroadcastDeliveryRetry, BroadcastDeliverySettleSkip, PlatformAuditList,
 )
 
 
@@ -205,7 +205,7 @@ class PlatformAccountPage(msgspec.Struct, omit_defaults=True):
     next_cursor: str | None = None
 
 
-class InstanceInfo(msgspec.Struct, omit_defaults=True):
+class PlatformInstanceInfo(msgspec.Struct, omit_defaults=True):
     """A workspace's instance: its local account and timeline, the broadcast-seq
     interval it receives (`effective_from_broadcast_seq` ≤ seq, and seq <
     `effective_to_broadcast_seq` when set) and the last seq applied there."""
@@ -222,8 +222,8 @@ class InstanceInfo(msgspec.Struct, omit_defaults=True):
     effective_to_broadcast_seq: int | None = None
 
 
-class InstancePage(msgspec.Struct, omit_defaults=True):
-    instances: list[InstanceInfo]
+class PlatformInstancePage(msgspec.Struct, omit_defaults=True):
+    instances: list[PlatformInstanceInfo]
     next_cursor: str | None = None
 
 
@@ -264,7 +264,7 @@ class BroadcastPage(msgspec.Struct, omit_defaults=True):
     next_cursor: str | None = None
 
 
-class DeliveryInfo(msgspec.Struct, omit_defaults=True):
+class BroadcastDeliveryInfo(msgspec.Struct, omit_defaults=True):
     id: str
     broadcast_id: str
     workspace_id: str
@@ -281,8 +281,8 @@ class DeliveryInfo(msgspec.Struct, omit_defaults=True):
     next_attempt_at_ms: int | None = None
 
 
-class DeliveryPage(msgspec.Struct, omit_defaults=True):
-    deliveries: list[DeliveryInfo]
+class BroadcastDeliveryPage(msgspec.Struct, omit_defaults=True):
+    deliveries: list[BroadcastDeliveryInfo]
     next_cursor: str | None = None
 
 
@@ -308,17 +308,17 @@ class PlatformAuditPage(msgspec.Struct, omit_defaults=True):
 
 
 RESULTS: dict[type[Request], type[msgspec.Struct]] = {
-    PlatformSubscribe: Ok, AccountCreate: PlatformAccountInfo, AccountList: PlatformAccountPage,
-    AccountGet: PlatformAccountInfo, AccountUpdate: PlatformAccountInfo, AccountDelete: Ok,
-    InstanceList: InstancePage, BroadcastCreate: BroadcastInfo, BroadcastGet: BroadcastInfo,
-    BroadcastList: BroadcastPage, DeliveryList: DeliveryPage, DeliveryRetry: DeliveryInfo,
-    DeliverySettleSkip: DeliveryInfo, AuditList: PlatformAuditPage,
+    PlatformSubscribe: Ok, PlatformAccountCreate: PlatformAccountInfo, PlatformAccountList: PlatformAccountPage,
+    PlatformAccountGet: PlatformAccountInfo, PlatformAccountUpdate: PlatformAccountInfo, PlatformAccountDelete: Ok,
+    PlatformInstanceList: PlatformInstancePage, BroadcastCreate: BroadcastInfo, BroadcastGet: BroadcastInfo,
+    BroadcastList: BroadcastPage, BroadcastDeliveryList: BroadcastDeliveryPage, BroadcastDeliveryRetry: BroadcastDeliveryInfo,
+    BroadcastDeliverySettleSkip: BroadcastDeliveryInfo, PlatformAuditList: PlatformAuditPage,
 }
 
 
 # --- events (to every operator connection that sent platform.subscribe) ---------------------------------
 
-class AccountChanged(msgspec.Struct):
+class PlatformAccountChanged(msgspec.Struct):
     """`platform_service_account.created` / `.updated` / `.deleted`."""
 
     platform_service_account_id: str
@@ -326,7 +326,7 @@ class AccountChanged(msgspec.Struct):
     name: str
 
 
-class InstanceChanged(msgspec.Struct):
+class PlatformInstanceChanged(msgspec.Struct):
     """`platform_service_account.instance_changed`: a workspace instance opened or became ready."""
 
     platform_service_account_id: str
@@ -340,20 +340,20 @@ class BroadcastChanged(msgspec.Struct):
     broadcast: BroadcastInfo
 
 
-class DeliveryChanged(msgspec.Struct):
+class BroadcastDeliveryChanged(msgspec.Struct):
     """`platform_service_account.broadcast_delivery_changed`: a delivery needs
     attention (retry_wait, operator_attention, waiting_audience) or an operator
     settled or requeued it."""
 
-    delivery: DeliveryInfo
+    delivery: BroadcastDeliveryInfo
 
 
 EVENTS: dict[str, type[msgspec.Struct]] = {
-    "platform_service_account.created": AccountChanged,
-    "platform_service_account.updated": AccountChanged,
-    "platform_service_account.deleted": AccountChanged,
-    "platform_service_account.instance_changed": InstanceChanged,
+    "platform_service_account.created": PlatformAccountChanged,
+    "platform_service_account.updated": PlatformAccountChanged,
+    "platform_service_account.deleted": PlatformAccountChanged,
+    "platform_service_account.instance_changed": PlatformInstanceChanged,
     "platform_service_account.broadcast_accepted": BroadcastChanged,
     "platform_service_account.broadcast_completed": BroadcastChanged,
-    "platform_service_account.broadcast_delivery_changed": DeliveryChanged,
+    "platform_service_account.broadcast_delivery_changed": BroadcastDeliveryChanged,
 }

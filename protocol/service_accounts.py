@@ -150,7 +150,10 @@ class AccountGet(WorkspaceRequest, tag="service_account.get"):
 
 class AccountUpdate(WorkspaceRequest, tag="service_account.update"):
     """A manager or an owner/admin changes the name and/or description
-    (`expected_version`: the account's `version`)."""
+    (`expected_version`: the account's `version`).  A platform account's
+    instance (`management_kind` `platform`) changes only through its platform
+    account: `forbidden`, reason `platform_managed` (also for delete, managers
+    and posts)."""
 
     service_account_id: Id
     expected_version: Version

@@ -115,8 +115,11 @@ class App:
 
 
 @pytest.fixture
-def server_config() -> ServerConfig:
-    return ServerConfig(port=0, auth_timeout_seconds=2.0, expiry_sweep_seconds=0.5, shutdown_grace_seconds=2.0)
+def server_config(request: pytest.FixtureRequest) -> ServerConfig:
+    """The test server's config; a test changes fields with
+    `@pytest.mark.parametrize("server_config", [{field: value}], indirect=True)`."""
+    return ServerConfig(**{"port": 0, "auth_timeout_seconds": 2.0, "expiry_sweep_seconds": 0.5,
+                           "shutdown_grace_seconds": 2.0, **getattr(request, "param", {})})
 
 
 @pytest.fixture

@@ -14,11 +14,13 @@ import trio
 import trio_websocket
 
 from client import connect
-from protocol import conformance, frames, guide, service_accounts
+from protocol import conformance, frames, guide, platform, service_accounts
 from protocol.events import EVENTS
 from protocol.results import RESULTS
 from server import app as server_app
 from server import handlers, realtime
+from server.ops.platform import create_operator
+from storage import tenancy
 from tests.conftest import App, add_person
 from tests.test_messaging import open_channel
 from tests.test_tenancy import expect_error, signed_in
@@ -224,7 +226,7 @@ async def test_every_event_type_is_produced_with_its_typed_payload(app: App, ten
         seen: dict[str, list[dict]] = {}
         with trio.fail_after(30):
             # withdrawal fans out through the outbox, so in any order
-            while not set(EVENTS) - set(service_accounts.EVENTS) <= set(seen):
+            while not set(EVENTS) - set(service_accounts.EVENTS) - set(platform.EVENTS) <= set(seen):
                 event = await b.next_event()
                 seen.setdefault(event["event"], []).append(event)
     for name, received in seen.items():
@@ -276,6 +278,52 @@ async def test_every_service_account_event_is_produced_with_its_typed_payload(ap
                      **ws)
         for name in service_accounts.EVENTS:
             await until(b, name)
+    for name, received in seen.items():
+        for event in received:
+            assert conformance.problem(event) is None
+            msgspec.convert(event["data"], EVENTS[name])
+
+
+@pytest.mark.parametrize("server_config", [{"platform_retry_base_seconds": 0.05, "platform_max_attempts": 2}],
+                         indirect=True)
+async def test_every_platform_event_is_produced_with_its_typed_payload(app: App, tenants):
+    """The platform events, on an operator connection after platform.subscribe."""
+    alpha, _ = tenants
+    _, _, key = await create_operator(app.db, "ops")
+    seen: dict[str, list[dict]] = {}
+
+    async def until(conn, name: str, predicate=lambda data: True) -> dict:
+        with trio.fail_after(30):
+            while not any(predicate(e["data"]) for e in seen.get(name, [])):
+                event = await conn.next_event()
+                seen.setdefault(event["event"], []).append(event)
+        return [e for e in seen[name] if predicate(e["data"])][-1]
+
+    async with connect(app.url) as ops:
+        await ops.call("auth", operator_key=key)
+        await ops.call("platform.subscribe")
+        account = await ops.call("platform.account.create", name="News")
+        await until(ops, "platform_service_account.updated")  # provisioned: ready
+        first = await ops.call("platform.broadcast.create", platform_service_account_id=account["id"],
+                               client_broadcast_id="b1", title="Hello", content="Everyone")
+        await until(ops, "platform_service_account.broadcast_completed", lambda d: d["broadcast"]["id"] == first["id"])
+        # A write-fenced workspace refuses the next delivery: it waits for an operator.
+        await app.db.transaction(tenancy.fence_workspace, alpha.workspace_id, write_fenced=True,
+                                 new_generation=False)
+        await ops.call("platform.broadcast.create", platform_service_account_id=account["id"],
+                       client_broadcast_id="b2", title="Hello", content="again")
+        stuck = (await until(ops, "platform_service_account.broadcast_delivery_changed",
+                             lambda d: d["delivery"]["state"] == "operator_attention"))["data"]["delivery"]
+        await ops.call("platform.delivery.settle_skip", delivery_id=stuck["id"], expected_version=stuck["version"])
+        await until(ops, "platform_service_account.broadcast_completed",
+                    lambda d: d["broadcast"]["state"] == "completed_with_exceptions")
+        await app.db.transaction(tenancy.fence_workspace, alpha.workspace_id, write_fenced=False,
+                                 new_generation=False)
+        current = await ops.call("platform.account.get", platform_service_account_id=account["id"])
+        await ops.call("platform.account.delete", platform_service_account_id=account["id"],
+                       expected_version=current["version"])
+        for name in platform.EVENTS:
+            await until(ops, name)
     for name, received in seen.items():
         for event in received:
             assert conformance.problem(event) is None

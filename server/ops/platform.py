@@ -31,6 +31,7 @@ from server.messaging import SYSTEM_ACTOR, _ms
 from server.ops.service_accounts import _decode_cursor, _name, _page, _publish, _title, _watchers
 from server.realtime import PushState
 from storage import platform as store
+from storage import tenancy
 from storage.errors import DatabaseUnavailable, NotFound
 from storage.ids import is_valid_id, new_id
 
@@ -87,8 +88,8 @@ def account_info(row: Any) -> p.PlatformAccountInfo:
         created_at_ms=_ms(row["created_at"]), updated_at_ms=_ms(row["updated_at"]))
 
 
-def instance_info(row: Any) -> p.InstanceInfo:
-    return p.InstanceInfo(
+def instance_info(row: Any) -> p.PlatformInstanceInfo:
+    return p.PlatformInstanceInfo(
         workspace_id=row["workspace_id"], local_service_account_id=row["local_service_account_id"],
         scope_id=row["message_scope_id"], opened_provisioning_generation=row["opened_provisioning_generation"],
         effective_from_broadcast_seq=row["effective_from_broadcast_seq"],
@@ -110,8 +111,8 @@ def broadcast_info(row: Any, counts: Any, replayed: bool = False) -> p.Broadcast
         replayed=replayed)
 
 
-def delivery_info(row: Any) -> p.DeliveryInfo:
-    return p.DeliveryInfo(
+def delivery_info(row: Any) -> p.BroadcastDeliveryInfo:
+    return p.BroadcastDeliveryInfo(
         id=row["id"], broadcast_id=row["broadcast_id"], workspace_id=row["workspace_id"],
         broadcast_seq=row["broadcast_seq"], recipient_eligible=row["recipient_eligible"], state=row["state"],
         attempt=row["attempt"], version=row["version"], outcome=row["outcome"],
@@ -150,7 +151,7 @@ async def emit(server: Server, event: str, **ids: Any) -> None:
     """The platform actors' events, as frames: to operators, and a local account's change to the
     workspace's owners and admins."""
     if event == "platform_service_account.instance_changed":
-        publish_platform(server, event, p.InstanceChanged(
+        publish_platform(server, event, p.PlatformInstanceChanged(
             platform_service_account_id=ids["account_id"], workspace_id=ids["workspace_id"],
             provisioning_state=ids["provisioning_state"]))
         local = ids.get("local_service_account_id")
@@ -161,12 +162,12 @@ async def emit(server: Server, event: str, **ids: Any) -> None:
                 name=(await server.db.run(store.account, ids["account_id"]))["name"]), watchers)
     elif event == "platform_service_account.updated":
         row = await server.db.run(store.account, ids["account_id"])
-        publish_platform(server, event, p.AccountChanged(platform_service_account_id=row["id"],
+        publish_platform(server, event, p.PlatformAccountChanged(platform_service_account_id=row["id"],
                                                          version=row["version"], name=row["name"]))
     elif event in ("platform_service_account.broadcast_completed", "platform_service_account.broadcast_accepted"):
         publish_platform(server, event, p.BroadcastChanged(broadcast=await _broadcast(server, ids["broadcast_id"])))
     elif event == "platform_service_account.broadcast_delivery_changed":
-        publish_platform(server, event, p.DeliveryChanged(
+        publish_platform(server, event, p.BroadcastDeliveryChanged(
             delivery=delivery_info(await server.db.run(store.delivery, ids["delivery_id"]))))
     elif event == "service_account.updated":
         local = ids["local"]
@@ -224,19 +225,19 @@ async def subscribe(server: Server, connection: Connection, request: p.PlatformS
     return f.Ok()
 
 
-async def account_create(server: Server, connection: Connection, request: p.AccountCreate,
+async def account_create(server: Server, connection: Connection, request: p.PlatformAccountCreate,
                          ctx: RequestContext) -> p.PlatformAccountInfo:
     row = await server.db.transaction(store.create_account, name=_name(request.name),
                                       description=request.description, operator_id=_operator(ctx),
                                       correlation_id=_correlation())
     _registry(server).actor(row["id"]).wake()
     info = account_info(row)
-    publish_platform(server, "platform_service_account.created", p.AccountChanged(
+    publish_platform(server, "platform_service_account.created", p.PlatformAccountChanged(
         platform_service_account_id=row["id"], version=row["version"], name=row["name"]))
     return info
 
 
-async def account_list(server: Server, connection: Connection, request: p.AccountList,
+async def account_list(server: Server, connection: Connection, request: p.PlatformAccountList,
                        ctx: RequestContext) -> p.PlatformAccountPage:
     after = _decode_cursor(request.cursor, 1)
     rows = await server.db.run(store.accounts, after[0] if after else None, request.limit + 1)
@@ -244,7 +245,7 @@ async def account_list(server: Server, connection: Connection, request: p.Accoun
     return p.PlatformAccountPage(accounts=[account_info(r) for r in page], next_cursor=cursor)
 
 
-async def account_get(server: Server, connection: Connection, request: p.AccountGet,
+async def account_get(server: Server, connection: Connection, request: p.PlatformAccountGet,
                       ctx: RequestContext) -> p.PlatformAccountInfo:
     account_id = _check(request.platform_service_account_id, "psa", "platform service account")
     return account_info(await server.db.run(store.account, account_id))
@@ -256,46 +257,49 @@ async def _existing(server: Server, account_id: str) -> str:
     return account_id
 
 
-async def account_update(server: Server, connection: Connection, request: p.AccountUpdate,
+async def account_update(server: Server, connection: Connection, request: p.PlatformAccountUpdate,
                          ctx: RequestContext) -> p.PlatformAccountInfo:
     account_id = await _existing(server, request.platform_service_account_id)
     row = await _registry(server).submit(account_id, pa.UpdateProfile(
         request.expected_version, None if request.name is None else _name(request.name), request.description,
         _operator(ctx), _correlation()))
-    publish_platform(server, "platform_service_account.updated", p.AccountChanged(
+    publish_platform(server, "platform_service_account.updated", p.PlatformAccountChanged(
         platform_service_account_id=row["id"], version=row["version"], name=row["name"]))
     return account_info(row)
 
 
-async def account_delete(server: Server, connection: Connection, request: p.AccountDelete,
+async def account_delete(server: Server, connection: Connection, request: p.PlatformAccountDelete,
                          ctx: RequestContext) -> f.Ok:
     account_id = await _existing(server, request.platform_service_account_id)
     root, locals_ = await _registry(server).submit(account_id, pa.DeleteAccount(
         request.expected_version, _operator(ctx), _correlation()))
     for local in locals_:
         if server.registry is not None and server.registry.is_live(local["message_scope_id"]):
-            await server.registry.submit(local["message_scope_id"], ScopeErased(_system(local["workspace_id"])))
+            await server.registry.submit(local["message_scope_id"],
+                                         ScopeErased(await _system(server, local["workspace_id"])))
         watchers = await _watchers(server, local["workspace_id"])
         _publish(server, local["workspace_id"], "service_account.deleted", s.ServiceAccountChanged(
             service_account_id=local["id"], principal_id=local["principal_id"], version=local["version"],
             name=local["name"]), watchers)
-    publish_platform(server, "platform_service_account.deleted", p.AccountChanged(
+    publish_platform(server, "platform_service_account.deleted", p.PlatformAccountChanged(
         platform_service_account_id=account_id, version=root["version"], name=root["name"]))
     return f.Ok()
 
 
-def _system(workspace_id: str) -> ActorContext:
+async def _system(server: Server, workspace_id: str) -> ActorContext:
+    # The scope actor fences every command by the workspace's execution generation.
     return ActorContext(workspace_id=workspace_id, member_id=SYSTEM_ACTOR, member_kind="system",
-                        owner_member_id=None, execution_generation=0)
+                        owner_member_id=None,
+                        execution_generation=await server.db.run(tenancy.current_generation, workspace_id))
 
 
-async def instance_list(server: Server, connection: Connection, request: p.InstanceList,
-                        ctx: RequestContext) -> p.InstancePage:
+async def instance_list(server: Server, connection: Connection, request: p.PlatformInstanceList,
+                        ctx: RequestContext) -> p.PlatformInstancePage:
     account_id = await _existing(server, request.platform_service_account_id)
     after = _decode_cursor(request.cursor, 1)
     rows = await server.db.run(store.instances, account_id, after[0] if after else None, request.limit + 1)
     page, cursor = _page(rows, request.limit, lambda r: [r["workspace_id"]])
-    return p.InstancePage(instances=[instance_info(r) for r in page], next_cursor=cursor)
+    return p.PlatformInstancePage(instances=[instance_info(r) for r in page], next_cursor=cursor)
 
 
 def _moderate(server: Server, title: str, content: str) -> list[str]:
@@ -344,40 +348,40 @@ async def broadcast_list(server: Server, connection: Connection, request: p.Broa
     return p.BroadcastPage(broadcasts=[broadcast_info(row, counts) for row, counts in page], next_cursor=cursor)
 
 
-async def delivery_list(server: Server, connection: Connection, request: p.DeliveryList,
-                        ctx: RequestContext) -> p.DeliveryPage:
+async def delivery_list(server: Server, connection: Connection, request: p.BroadcastDeliveryList,
+                        ctx: RequestContext) -> p.BroadcastDeliveryPage:
     broadcast_id = _check(request.broadcast_id, "pbc", "broadcast")
     await server.db.run(store.broadcast, broadcast_id)
     after = _decode_cursor(request.cursor, 1)
     rows = await server.db.run(store.deliveries_of, broadcast_id, request.state, after[0] if after else None,
                                request.limit + 1)
     page, cursor = _page(rows, request.limit, lambda r: [r["workspace_id"]])
-    return p.DeliveryPage(deliveries=[delivery_info(r) for r in page], next_cursor=cursor)
+    return p.BroadcastDeliveryPage(deliveries=[delivery_info(r) for r in page], next_cursor=cursor)
 
 
 async def _delivery_command(server: Server, ctx: RequestContext, delivery_id: str, expected_version: int,
-                            command_type: type) -> p.DeliveryInfo:
+                            command_type: type) -> p.BroadcastDeliveryInfo:
     _check(delivery_id, "pbd", "delivery")
     account_id = (await server.db.run(store.delivery, delivery_id))["platform_service_account_id"]
     row = await _registry(server).submit(account_id, command_type(delivery_id, expected_version, _operator(ctx),
                                                                   _correlation()))
     info = delivery_info(row)
-    publish_platform(server, "platform_service_account.broadcast_delivery_changed", p.DeliveryChanged(delivery=info))
+    publish_platform(server, "platform_service_account.broadcast_delivery_changed", p.BroadcastDeliveryChanged(delivery=info))
     _registry(server).wake(account_id)
     return info
 
 
-async def delivery_retry(server: Server, connection: Connection, request: p.DeliveryRetry,
-                         ctx: RequestContext) -> p.DeliveryInfo:
+async def delivery_retry(server: Server, connection: Connection, request: p.BroadcastDeliveryRetry,
+                         ctx: RequestContext) -> p.BroadcastDeliveryInfo:
     return await _delivery_command(server, ctx, request.delivery_id, request.expected_version, pa.RetryDelivery)
 
 
-async def delivery_settle_skip(server: Server, connection: Connection, request: p.DeliverySettleSkip,
-                               ctx: RequestContext) -> p.DeliveryInfo:
+async def delivery_settle_skip(server: Server, connection: Connection, request: p.BroadcastDeliverySettleSkip,
+                               ctx: RequestContext) -> p.BroadcastDeliveryInfo:
     return await _delivery_command(server, ctx, request.delivery_id, request.expected_version, pa.SettleSkip)
 
 
-async def audit_list(server: Server, connection: Connection, request: p.AuditList,
+async def audit_list(server: Server, connection: Connection, request: p.PlatformAuditList,
                      ctx: RequestContext) -> p.PlatformAuditPage:
     account_id = request.platform_service_account_id
     if account_id is not None:
@@ -389,9 +393,9 @@ async def audit_list(server: Server, connection: Connection, request: p.AuditLis
 
 
 HANDLERS: dict = {
-    p.PlatformSubscribe: subscribe, p.AccountCreate: account_create, p.AccountList: account_list,
-    p.AccountGet: account_get, p.AccountUpdate: account_update, p.AccountDelete: account_delete,
-    p.InstanceList: instance_list, p.BroadcastCreate: broadcast_create, p.BroadcastGet: broadcast_get,
-    p.BroadcastList: broadcast_list, p.DeliveryList: delivery_list, p.DeliveryRetry: delivery_retry,
-    p.DeliverySettleSkip: delivery_settle_skip, p.AuditList: audit_list,
+    p.PlatformSubscribe: subscribe, p.PlatformAccountCreate: account_create, p.PlatformAccountList: account_list,
+    p.PlatformAccountGet: account_get, p.PlatformAccountUpdate: account_update, p.PlatformAccountDelete: account_delete,
+    p.PlatformInstanceList: instance_list, p.BroadcastCreate: broadcast_create, p.BroadcastGet: broadcast_get,
+    p.BroadcastList: broadcast_list, p.BroadcastDeliveryList: delivery_list, p.BroadcastDeliveryRetry: delivery_retry,
+    p.BroadcastDeliverySettleSkip: delivery_settle_skip, p.PlatformAuditList: audit_list,
 }

@@ -207,6 +207,12 @@ async def _governed(server: Server, workspace: WorkspaceContext, account_id: str
     return account, manager
 
 
+def _workspace_managed(account: Any) -> None:
+    """A platform account's instance is managed by the platform's operators only (service-account §2.5)."""
+    if account["management_kind"] == "platform":
+        raise _forbidden("a platform service account is managed by the platform's operators", "platform_managed")
+
+
 def _basis(workspace: WorkspaceContext, manager: bool) -> str:
     return "service_account_manager" if manager else "workspace_governance"
 
@@ -397,6 +403,7 @@ async def account_update(server: Server, connection: Connection, request: s.Acco
                          ctx: RequestContext) -> s.ServiceAccountDetail:
     workspace = _member(ctx)
     account, manager = await _governed(server, workspace, request.service_account_id)
+    _workspace_managed(account)
     name = _name(request.name) if request.name is not None else None
     description = request.description.strip() if request.description is not None else None
     updated = await _in_workspace(server, workspace, lambda conn: store.update_profile(
@@ -411,6 +418,7 @@ async def account_delete(server: Server, connection: Connection, request: s.Acco
                          ctx: RequestContext) -> s.ServiceAccountDeleted:
     workspace = _member(ctx)
     account = await _account(server, workspace, request.service_account_id)
+    _workspace_managed(account)
     watchers = await _watchers(server, workspace.workspace_id, account["id"])
     deleted = await _submit(server, account["message_scope_id"], sa_cmd.DeleteServiceAccount(
         _actor(workspace), request.expected_version, _governor(workspace), _correlation()))
@@ -434,6 +442,7 @@ async def manager_list(server: Server, connection: Connection, request: s.Manage
 async def _change_manager(server: Server, workspace: WorkspaceContext, account_id: str, member_id: str,
                           add: bool) -> s.ManagerInfo:
     account, manager = await _governed(server, workspace, account_id)
+    _workspace_managed(account)
     member_id = _check_id(member_id, "mem", "member")
     before = await _watchers(server, workspace.workspace_id, account["id"])
     change = store.add_manager if add else store.remove_manager
@@ -493,6 +502,7 @@ async def _post_info(server: Server, message: Any) -> Any:
 async def post(server: Server, connection: Connection, request: s.Post, ctx: RequestContext) -> Any:
     workspace = _member(ctx)
     account = await _account(server, workspace, request.service_account_id)
+    _workspace_managed(account)
     message = await _submit(server, account["message_scope_id"], sa_cmd.ServicePost(
         _actor(workspace), _title(request.title), request.content, request.client_message_id.lower(),
         request.byline, _correlation()))
