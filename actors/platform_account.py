@@ -43,7 +43,7 @@ class PlatformSettings:
     lease_seconds: float = 30.0
     max_attempts: int = 8
     retry_base_seconds: float = 1.0
-    lease_batch: int = 256
+    lease_batch: int = 64  # per pass: a command waits at most one pass of deliveries
 
 
 @dataclass

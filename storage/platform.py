@@ -221,6 +221,10 @@ async def propagate_profile_step(conn: asyncpg.Connection, account_id: str,
         "LIMIT $3", account_id, root["profile_version"], batch)
     changed = []
     for row in rows:
+        # The instance row before the local account: the order a workspace delivery locks them in.
+        await conn.execute(
+            "UPDATE platform_service_account_workspace_instances SET applied_profile_version = $2, "
+            "version = version + 1, updated_at = now() WHERE id = $1", row["id"], root["profile_version"])
         local = await conn.fetchrow(
             "UPDATE service_accounts SET name = $2, normalized_name = $3, description = $4, profile_version = $5, "
             "applied_platform_profile_version = $5, version = version + 1, updated_at = now() WHERE id = $1 "
@@ -232,9 +236,6 @@ async def propagate_profile_step(conn: asyncpg.Connection, account_id: str,
         await conn.execute(
             "UPDATE service_members SET display_name = $2 WHERE member_id = $1", local["author_member_id"],
             root["name"])
-        await conn.execute(
-            "UPDATE platform_service_account_workspace_instances SET applied_profile_version = $2, "
-            "version = version + 1, updated_at = now() WHERE id = $1", row["id"], root["profile_version"])
         changed.append(local)
     return changed
 
@@ -549,8 +550,11 @@ async def settle_excluded_heads(conn: asyncpg.Connection, account_id: str, corre
 async def claim_placements(conn: asyncpg.Connection, workspace_ids: list[str], node_id: str) -> dict[str, int]:
     """This node serves these workspaces: a workspace another node served moves here with a new epoch,
     which fences whatever the former node leased there."""
+    # Rows this node already holds are left alone: an upsert would lock them against the workspace
+    # transactions that read the epoch.
     await conn.execute(
-        "INSERT INTO workspace_placements (workspace_id, node_id) SELECT unnest($1::text[]), $2 "
+        "INSERT INTO workspace_placements (workspace_id, node_id) SELECT w, $2 FROM unnest($1::text[]) AS w "
+        "WHERE NOT EXISTS (SELECT 1 FROM workspace_placements p WHERE p.workspace_id = w AND p.node_id = $2) "
         "ON CONFLICT (workspace_id) DO UPDATE SET node_id = EXCLUDED.node_id, "
         "placement_epoch = workspace_placements.placement_epoch + 1, updated_at = now() "
         "WHERE workspace_placements.node_id <> EXCLUDED.node_id", workspace_ids, node_id)
@@ -637,16 +641,6 @@ async def next_due_seconds(conn: asyncpg.Connection, account_id: str) -> float |
         "- now()) FROM platform_service_account_broadcast_deliveries WHERE platform_service_account_id = $1 "
         "AND state IN ('leased', 'retry_wait', 'waiting_audience', 'waiting_instance')", account_id)
     return None if value is None else max(0.0, float(value))
-
-
-async def has_work(conn: asyncpg.Connection, account_id: str) -> bool:
-    """Anything the actor can advance right now (provisioning, numbering, enumeration, completion)."""
-    return bool(await conn.fetchval(
-        "SELECT EXISTS (SELECT 1 FROM platform_service_accounts a WHERE a.id = $1 AND "
-        "(NOT a.provisioning_scan_complete OR a.applied_provisioning_generation < a.target_provisioning_generation "
-        "OR a.target_provisioning_generation < (SELECT platform_provisioning_generation FROM instance_metadata))) "
-        "OR EXISTS (SELECT 1 FROM platform_service_account_broadcasts b WHERE b.platform_service_account_id = $1 "
-        "AND b.state IN ('waiting_provisioning', 'accepted', 'dispatching'))", account_id))
 
 
 # --- the workspace delivery transaction (run by the local scope's actor) ----------------------------------
