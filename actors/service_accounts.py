@@ -227,8 +227,7 @@ async def reconcile(actor: ScopeActor, conn: asyncpg.Connection, state: ScopeCon
         return Outcome(None)
     await actor.open_members(conn, state, step.opens)
     await actor.close_members(conn, state, step.closes)
-    account, fulfilled = await store.finish_reconcile_step(conn, step, command.correlation_id)
-    return Outcome((account, fulfilled))
+    return Outcome(await store.finish_reconcile_step(conn, step, command.correlation_id))
 
 
 @register_command(DeleteServiceAccount)

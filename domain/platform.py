@@ -9,6 +9,9 @@ from dataclasses import dataclass
 # NOTIFY channel: a provisioning input or an instance's readiness changed (payload: the account id, or
 # '*' for every account).  Wakes the platform actors of every process.
 PLATFORM_CHANNEL = "scopewire_platform"
+# The feed platform events travel on (to operators after platform.subscribe): not a workspace, so their
+# frames carry an empty workspace_id.
+PLATFORM_FEED = ""
 # A broadcast's message in every workspace: its deterministic client id (§4.5).
 CLIENT_MESSAGE_PREFIX = "platform-broadcast:"
 SETTLED_STATES = ("delivered", "closed", "skipped")

@@ -564,9 +564,10 @@ async def reconcile_step(conn: asyncpg.Connection, workspace_id: str, scope_id: 
 
 
 async def finish_reconcile_step(conn: asyncpg.Connection, step: ReconcileStep,
-                                correlation_id: str) -> tuple[asyncpg.Record, str | None]:
+                                correlation_id: str) -> tuple[asyncpg.Record, str | None, str | None]:
     """Record the batch's progress (the checkpoint a restart resumes from); on completion the account is
-    ready and its create request fulfilled.  Returns the account and the fulfilled request id, if any."""
+    ready and its create request fulfilled.  Returns the account, the fulfilled request id and the platform
+    account whose instance this made ready, if any."""
     if step.scan_complete and step.effective_version == step.policy_version:
         state = "ready"
     else:
@@ -577,7 +578,7 @@ async def finish_reconcile_step(conn: asyncpg.Connection, step: ReconcileStep,
         "updated_at = now() WHERE id = $1 RETURNING version",
         step.account_id, step.scan_cursor, step.scan_complete, step.effective_version, state,
     )
-    fulfilled = None
+    fulfilled = platform_account_id = None
     if state == "ready":
         # A platform instance whose audience is ready lets its account's provisioning complete (§2.4).
         platform_account_id = await conn.fetchval(
@@ -602,7 +603,7 @@ async def finish_reconcile_step(conn: asyncpg.Connection, step: ReconcileStep,
                                     "effective_audience_version": step.effective_version,
                                     "audience_policy_version": step.policy_version, "state": state,
                                     "fulfilled_request_id": fulfilled})
-    return await account(conn, step.workspace_id, step.account_id), fulfilled
+    return await account(conn, step.workspace_id, step.account_id), fulfilled, platform_account_id
 
 
 async def accounts_behind(conn: asyncpg.Connection, after: tuple[str, str] | None,

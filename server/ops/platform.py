@@ -18,7 +18,7 @@ import trio
 from actors import platform_account as pa
 from actors.fanout import CommittedEvent
 from actors.platform_delivery import ScopeErased
-from domain.platform import PLATFORM_CHANNEL
+from domain.platform import PLATFORM_CHANNEL, PLATFORM_FEED
 from domain.plan import ActorContext
 from domain.service_accounts import POST_MESSAGE_TYPE
 from protocol import frames as f
@@ -41,8 +41,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("scopewire.platform")
 
 OPERATOR_KEY_PREFIX = "swo_"
-# The feed platform events travel on: not a workspace (their frames carry an empty workspace_id).
-PLATFORM_FEED = ""
 WAKE_RECHECK_SECONDS = 30.0
 
 
