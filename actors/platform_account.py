@@ -13,19 +13,21 @@ the local scopes' actors, which check the lease in the message transaction."""
 
 from __future__ import annotations
 
+import contextvars
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 import asyncpg
 import trio
+from asyncpg.exceptions import TransactionRollbackError
 
 from actors.platform_delivery import PlatformDelivery
 from actors.scope_actor import ActorFailed, Refused, Reply
 from domain.platform import BroadcastSnapshot, Lease, client_message_id
 from domain.plan import ActorContext
 from storage import platform as store
-from storage.errors import NotFound, StorageError
+from storage.errors import DatabaseUnavailable, NotFound, StorageError
 from storage.ids import new_id
 
 log = logging.getLogger("scopewire.platform")
@@ -125,51 +127,74 @@ class PlatformAccountActor:
         self._wake.set()
 
     async def submit(self, command: PlatformCommand) -> Any:
-        await self.mailbox.send(command)
-        self.wake()
+        try:
+            await self.mailbox.send(command)
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            raise DatabaseUnavailable("the platform account's actor stopped; retry") from None
         return await command.reply.wait()
 
     async def run(self) -> None:
+        """Commands and the rows' work run side by side (a command never waits for a pass of
+        deliveries); both write under the account's root row lock, which orders them."""
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._serve_commands, nursery.cancel_scope)
+                await self._advance_loop()
+                nursery.cancel_scope.cancel()
+        finally:
+            self.mailbox.close()
+            gone = DatabaseUnavailable("the platform account's actor stopped; retry")
+            while True:
+                try:
+                    self._inbox.receive_nowait().reply.fail(gone)
+                except (trio.WouldBlock, trio.EndOfChannel):
+                    break
+
+    async def _advance_loop(self) -> None:
+        failures = 0
         while not self.deleted:
             self._wake = trio.Event()
-            await self._serve_mailbox()
-            if self.deleted:
-                break
             try:
                 progressed = await self._advance()
+                failures = 0
             except NotFound:
-                break  # deleted (by another process): nothing is left to advance
+                return  # deleted (here or by another process): nothing is left to advance
             except (StorageError, asyncpg.PostgresError) as exc:
-                log.warning("platform account step failed; retrying", extra={"platform_service_account_id":
-                                                                               self.account_id, "error": str(exc)})
+                failures += 1
+                log.warning("platform account step failed; retrying", extra={
+                    "platform_service_account_id": self.account_id, "error": str(exc)})
                 progressed = False
             if progressed:
                 continue
-            await self._sleep()
-        self._inbox.close()
+            await self._sleep(failures)
 
-    async def _sleep(self) -> None:
-        try:
-            due = await self.db.run(store.next_due_seconds, self.account_id)
-        except StorageError:
-            due = None
-        timeout = IDLE_RECHECK_SECONDS if due is None else min(IDLE_RECHECK_SECONDS, due + 0.05)
+    async def _sleep(self, failures: int) -> None:
+        if failures:
+            timeout = min(IDLE_RECHECK_SECONDS, 0.5 * 2 ** failures)  # a failing step backs off
+        else:
+            try:
+                due = await self.db.run(store.next_due_seconds, self.account_id)
+            except StorageError:
+                due = None
+            timeout = IDLE_RECHECK_SECONDS if due is None else min(IDLE_RECHECK_SECONDS, due + 0.05)
         with trio.move_on_after(timeout):
             await self._wake.wait()
 
-    async def _serve_mailbox(self) -> None:
-        while True:
-            try:
-                command = self._inbox.receive_nowait()
-            except trio.WouldBlock:
-                return
+    async def _serve_commands(self, cancel_scope: trio.CancelScope) -> None:
+        async for command in self._inbox:
             try:
                 command.reply.set(await self._handlers[type(command)](command))
+            except TransactionRollbackError:
+                command.reply.fail(DatabaseUnavailable("the transaction met a concurrent one; retry"))
             except (Refused, StorageError, asyncpg.PostgresError) as exc:
                 command.reply.fail(exc)
             except Exception as exc:  # a bug: the caller answers `internal`, the actor lives on
                 log.exception("platform command failed", extra={"platform_service_account_id": self.account_id})
                 command.reply.fail(ActorFailed(str(exc)))
+            if self.deleted:
+                cancel_scope.cancel()
+                return
+            self.wake()
 
     # --- commands ------------------------------------------------------------------------------------
 
@@ -266,12 +291,13 @@ class PlatformAccountActor:
                 reason, error = exc.reason, exc.message
             except (StorageError, asyncpg.PostgresError, ActorFailed) as exc:
                 reason, error = None, f"{type(exc).__name__}: {exc}"
-        if reason in ("stale_lease", "stale_placement"):
-            return  # another lease or another node owns it now; an expired lease is taken again later
-        if reason == "out_of_order":
-            state, delay = "queued", 0.0
+        if reason == "stale_lease":
+            return  # another lease owns it now
+        if reason in ("out_of_order", "stale_placement"):
+            state, delay = "queued", 0.0  # not its turn, or leased under an old placement: lease it again
         elif reason == "audience_not_ready":
-            state, delay = "waiting_audience", self.settings.retry_base_seconds
+            # Waits for the workspace (a fenced or suspended one reconciles nothing), spending no attempt.
+            state, delay = "waiting_audience", min(60.0, 5 * self.settings.retry_base_seconds)
         else:
             attempts = await self._attempts(lease)
             exhausted = attempts >= self.settings.max_attempts
@@ -284,7 +310,7 @@ class PlatformAccountActor:
             log.warning("could not record a failed delivery; its lease expires instead",
                         extra={"delivery_id": lease.delivery_id, "error": str(exc)})
             return
-        if settled is not None and state != "queued":
+        if settled is not None and state in ("retry_wait", "operator_attention"):
             log.info("platform delivery not done", extra={"delivery_id": lease.delivery_id, "state": state,
                                                           "error": error})
             await self._emit("platform_service_account.broadcast_delivery_changed", delivery_id=lease.delivery_id)
@@ -310,13 +336,15 @@ class PlatformRegistry:
         self.services = services
         self._nursery = nursery
         self._actors: dict[str, PlatformAccountActor] = {}
+        # Actors start in this context, not in that of the request whose command started them.
+        self._context = contextvars.copy_context()
 
     def actor(self, account_id: str) -> PlatformAccountActor:
         actor = self._actors.get(account_id)
         if actor is None:
             actor = PlatformAccountActor(account_id, self.services)
             self._actors[account_id] = actor
-            self._nursery.start_soon(self._supervise, actor)
+            self._context.run(self._nursery.start_soon, self._supervise, actor)
         return actor
 
     async def _supervise(self, actor: PlatformAccountActor) -> None:
@@ -332,11 +360,18 @@ class PlatformRegistry:
         for account_id in await self.services.db.run(store.account_ids):
             self.actor(account_id)
 
+    async def _start_missing(self) -> None:
+        try:
+            await self.start_all()
+        except StorageError as exc:
+            log.warning("platform actors not restarted; the next wake retries", extra={"error": str(exc)})
+
     def wake(self, account_id: str) -> None:
         """A NOTIFY arrived: '*' wakes every actor (a workspace was created), else one."""
         if account_id == "*":
             for actor in list(self._actors.values()):
                 actor.wake()
+            self._nursery.start_soon(self._start_missing)  # an actor that crashed comes back
         else:
             self.actor(account_id).wake()
 

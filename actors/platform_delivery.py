@@ -34,16 +34,21 @@ class PlatformDelivery(Command):
     broadcast: BroadcastSnapshot
     requires_membership = False  # the trusted platform delivery service, not a member
 
+    async def prelock(self, conn: asyncpg.Connection) -> None:
+        # First in the batch: a platform delete holds the root FOR UPDATE and then needs this scope's rows.
+        await store.hold_root(conn, self.broadcast.platform_service_account_id)
+
 
 @register_command(PlatformDelivery)
 async def deliver(actor: ScopeActor, conn: asyncpg.Connection, state: ScopeContext,
                   command: PlatformDelivery) -> Outcome:
     lease, broadcast = command.lease, command.broadcast
     try:
-        instance = await store.fence_delivery(conn, lease, broadcast.platform_service_account_id)
+        await store.fence_lease(conn, lease)
+        account = await accounts.publish_authority(conn, state.workspace_id, state.scope_id, "")
+        instance = await store.lock_instance_cursor(conn, lease, broadcast.platform_service_account_id)
     except Conflict as exc:
         raise Refused("conflict", str(exc), exc.reason) from None
-    account = await accounts.publish_authority(conn, state.workspace_id, state.scope_id, "")
     if account["id"] != instance["local_service_account_id"]:
         raise Refused("conflict", "the instance moved to another local account", "stale_lease")
     if account["audience_state"] == "provisioning" or not account["grant_live"]:

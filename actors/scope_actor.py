@@ -107,6 +107,10 @@ class Command:
     # Refused unless the acting member is in the scope's roster.
     requires_membership: ClassVar[bool] = True
 
+    async def prelock(self, conn: asyncpg.Connection) -> None:
+        """Rows this command locks before anything else in its batch transaction: a lock that
+        another transaction takes first (a platform account's delete) must come first here too."""
+
 
 @dataclass
 class CreateScope(Command):
@@ -509,6 +513,8 @@ class ScopeActor:
     async def _apply_batch(self, conn: asyncpg.Connection, batch: list[Command], settling: list[str]) -> list[Any]:
         state = self.state
         assert state is not None
+        for command in batch:
+            await command.prelock(conn)
         if settling:
             await applier.settle_inline_delivered(conn, self.scope_id, settling)
         self._executions_in_batch = set()

@@ -341,9 +341,9 @@ class BroadcastChanged(msgspec.Struct):
 
 
 class BroadcastDeliveryChanged(msgspec.Struct):
-    """`platform_service_account.broadcast_delivery_changed`: a delivery needs
-    attention (retry_wait, operator_attention, waiting_audience) or an operator
-    settled or requeued it."""
+    """`platform_service_account.broadcast_delivery_changed`: an attempt failed
+    (`retry_wait`), a delivery needs an operator (`operator_attention`), or an
+    operator settled or requeued it."""
 
     delivery: BroadcastDeliveryInfo
 

@@ -450,8 +450,12 @@ class Server:
 
     def check_connection_limit(self, principal: Principal) -> None:
         """At most max_connections_per_member authenticated connections per account / key member."""
-        count = len(self.connections.of_key_member(principal.key_member_id) if principal.kind == "api_key"
-                    else self.connections.sessions_of(principal.account_id))
+        if principal.kind == "operator":
+            count = sum(1 for c in self.connections.all
+                        if c.principal is not None and c.principal.operator_id == principal.operator_id)
+        else:
+            count = len(self.connections.of_key_member(principal.key_member_id) if principal.kind == "api_key"
+                        else self.connections.sessions_of(principal.account_id))
         if count >= self.config.max_connections_per_member:
             raise ProtocolError(ErrorCode.RATE_LIMITED, "too many connections for this member")
 
@@ -540,6 +544,9 @@ class Server:
             await self._revalidate(self.connections.sessions_of(event["account_id"]))
         elif kind == "api_key":
             await self._revalidate(self.connections.of_api_key(event["api_key_id"]))
+        elif kind == "operator":
+            await self._revalidate([c for c in self.connections.all
+                                    if c.principal is not None and c.principal.operator_id == event["operator_id"]])
         elif kind == "membership":
             # Every session of the member's account (each is re-checked against the
             # workspaces it acted in, or closed when the account has none left), and

@@ -65,10 +65,10 @@ async def _auth_result(server: Server, connection: Connection, token: str | None
                        expires_at: int | None = None) -> f.AuthResult:
     principal = connection.principal
     assert principal is not None
-    ctx = RequestContext(request_id="auth", principal=principal)
-    workspaces = [_workspace_info(r) for r in await ops.list_workspaces(server.db, ctx)]
     if principal.kind == "operator":
         return f.AuthResult(principal="operator", operator_id=principal.operator_id)
+    ctx = RequestContext(request_id="auth", principal=principal)
+    workspaces = [_workspace_info(r) for r in await ops.list_workspaces(server.db, ctx)]
     if principal.kind == "api_key":
         return f.AuthResult(principal="api_key", api_key_id=principal.api_key_id,
                             workspace_id=principal.key_workspace_id, member_id=principal.key_member_id,

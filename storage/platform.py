@@ -19,7 +19,7 @@ import msgspec
 
 from domain.platform import RETRYABLE_STATES, SETTLED_STATES, Lease
 from domain.service_accounts import SERVICE_ACCOUNT_SLUG, identity_key, normalize_name, target_id
-from storage import applier, deliveries, human_lifecycle
+from storage import applier, deliveries, human_lifecycle, tenancy
 from storage.errors import Conflict, NotFound
 from storage.human_lifecycle import record_audit
 from storage.ids import new_id
@@ -27,7 +27,6 @@ from storage.platform_inputs import next_generation, notify, record_input
 from storage.service_accounts import MESSAGE_WRITE, ensure_definition, hold_workspace, install_named
 
 _canonical = msgspec.json.Encoder(order="sorted")
-_SETTLED = list(SETTLED_STATES)
 
 
 def broadcast_digest(title: str, content: str, message_type: str) -> bytes:
@@ -66,12 +65,14 @@ async def operators(conn: asyncpg.Connection) -> list[asyncpg.Record]:
 
 
 async def disable_operator(conn: asyncpg.Connection, operator_id: str) -> None:
+    """Disable the operator; every server closes its live connections (the auth channel)."""
     updated = await conn.execute(
         "UPDATE platform_operators SET status = 'disabled', disabled_at = now() WHERE id = $1 AND status = 'active'",
         operator_id)
     if updated == "UPDATE 0" and not await conn.fetchval(
             "SELECT EXISTS (SELECT 1 FROM platform_operators WHERE id = $1)", operator_id):
         raise NotFound("operator")
+    await tenancy.notify_auth_change(conn, "operator", operator_id=operator_id)
 
 
 async def deployment_generation(conn: asyncpg.Connection) -> int:
@@ -221,10 +222,8 @@ async def propagate_profile_step(conn: asyncpg.Connection, account_id: str,
         "LIMIT $3", account_id, root["profile_version"], batch)
     changed = []
     for row in rows:
-        # The instance row before the local account: the order a workspace delivery locks them in.
-        await conn.execute(
-            "UPDATE platform_service_account_workspace_instances SET applied_profile_version = $2, "
-            "version = version + 1, updated_at = now() WHERE id = $1", row["id"], root["profile_version"])
+        # Workspace, local account, then instance: the order every writer of these rows uses.
+        await hold_workspace(conn, row["workspace_id"])
         local = await conn.fetchrow(
             "UPDATE service_accounts SET name = $2, normalized_name = $3, description = $4, profile_version = $5, "
             "applied_platform_profile_version = $5, version = version + 1, updated_at = now() WHERE id = $1 "
@@ -236,6 +235,9 @@ async def propagate_profile_step(conn: asyncpg.Connection, account_id: str,
         await conn.execute(
             "UPDATE service_members SET display_name = $2 WHERE member_id = $1", local["author_member_id"],
             root["name"])
+        await conn.execute(
+            "UPDATE platform_service_account_workspace_instances SET applied_profile_version = $2, "
+            "version = version + 1, updated_at = now() WHERE id = $1", row["id"], root["profile_version"])
         changed.append(local)
     return changed
 
@@ -306,7 +308,10 @@ async def provision_step(conn: asyncpg.Connection, account_id: str, batch: int, 
     once the scan is complete and every instance is ready, apply the target generation."""
     root = await _lock_root(conn, account_id)
     deployment = await deployment_generation(conn)
-    if root["target_provisioning_generation"] < deployment:
+    # A pass finishes (applied reaches its target) before the next begins: with workspaces created all
+    # the time, broadcasts waiting for the current target still get their seq.
+    if root["target_provisioning_generation"] < deployment and \
+            root["applied_provisioning_generation"] == root["target_provisioning_generation"]:
         root = await conn.fetchrow(
             "UPDATE platform_service_accounts SET target_provisioning_generation = $2, provisioning_cursor = '', "
             "provisioning_scan_complete = false, provisioning_state = 'provisioning', updated_at = now() "
@@ -332,9 +337,14 @@ async def provision_step(conn: asyncpg.Connection, account_id: str, batch: int, 
             account_id, workspaces[-1]["id"] if workspaces else root["provisioning_cursor"], not more)
     became_ready = False
     if not more and root["applied_provisioning_generation"] < root["target_provisioning_generation"]:
+        # A fenced or suspended workspace cannot reconcile its audience; it does not hold the others back
+        # (its deliveries wait, and an operator may skip them).
         pending = await conn.fetchval(
-            "SELECT EXISTS (SELECT 1 FROM platform_service_account_workspace_instances WHERE "
-            "platform_service_account_id = $1 AND provisioning_state <> 'ready')", account_id)
+            "SELECT EXISTS (SELECT 1 FROM platform_service_account_workspace_instances i "
+            "JOIN workspace_execution_states x ON x.workspace_id = i.workspace_id "
+            "JOIN workspaces w ON w.id = i.workspace_id WHERE i.platform_service_account_id = $1 "
+            "AND i.provisioning_state <> 'ready' AND x.state = 'active' AND NOT x.write_fenced "
+            "AND w.status = 'active')", account_id)
         if not pending:
             await conn.execute(
                 "UPDATE platform_service_accounts SET applied_provisioning_generation = target_provisioning_generation, "
@@ -530,11 +540,11 @@ async def settle_excluded_heads(conn: asyncpg.Connection, account_id: str, corre
     cursors, so the next eligible seq there finds a continuous cursor."""
     await _lock_root(conn, account_id)
     total = 0
-    while True:
+    for _ in range(8):  # bounded: the next pass settles what is left
         heads = await conn.fetch(_HEADS + "AND NOT h.recipient_eligible ORDER BY h.workspace_id LIMIT 500",
                                  account_id)
         if not heads:
-            return total
+            break
         ids = [h["id"] for h in heads]
         await conn.execute(
             "UPDATE platform_service_account_broadcast_deliveries SET state = 'closed', outcome = 'generation_excluded', "
@@ -545,6 +555,7 @@ async def settle_excluded_heads(conn: asyncpg.Connection, account_id: str, corre
             "WHERE i.platform_service_account_id = $1 AND i.workspace_id = h.workspace_id",
             account_id, [h["workspace_id"] for h in heads], [h["broadcast_seq"] for h in heads])
         total += len(heads)
+    return total
 
 
 async def claim_placements(conn: asyncpg.Connection, workspace_ids: list[str], node_id: str) -> dict[str, int]:
@@ -595,11 +606,13 @@ async def lease_heads(conn: asyncpg.Connection, account_id: str, node_id: str, l
 async def settle_failure(conn: asyncpg.Connection, lease: Lease, *, state: str, error: str,
                          delay_seconds: float) -> asyncpg.Record | None:
     """Release a lease that did not deliver (compare-and-set on its token and version): `state` is
-    retry_wait, waiting_audience, operator_attention or queued (not its turn: no attempt spent)."""
+    retry_wait, operator_attention, or — spending no attempt — waiting_audience or queued (not its turn,
+    or its workspace moved to another placement)."""
     return await conn.fetchrow(
         "UPDATE platform_service_account_broadcast_deliveries SET state = $4, lease_token = NULL, "
         "lease_expires_at = NULL, last_error = $5, next_attempt_at = now() + make_interval(secs => $6), "
-        "attempt = CASE WHEN $4 = 'queued' THEN attempt - 1 ELSE attempt END, version = version + 1, "
+        "attempt = CASE WHEN $4 IN ('queued', 'waiting_audience') THEN attempt - 1 ELSE attempt END, "
+        "version = version + 1, "
         "updated_at = now() WHERE id = $1 AND lease_token = $2 AND version = $3 AND state = 'leased' "
         "RETURNING id, version, state, attempt",
         lease.delivery_id, lease.lease_token, lease.version, state, error, float(delay_seconds))
@@ -645,13 +658,13 @@ async def next_due_seconds(conn: asyncpg.Connection, account_id: str) -> float |
 
 # --- the workspace delivery transaction (run by the local scope's actor) ----------------------------------
 
-async def fence_delivery(conn: asyncpg.Connection, lease: Lease, platform_account_id: str) -> asyncpg.Record:
-    """The execution fence, checked in the workspace message transaction: root lock (key share), the
-    delivery (its lease token, version, expiry, state), the workspace placement epoch and the instance's
-    cursor.  Returns the instance row (locked).  Raises Conflict with the reason otherwise."""
-    await conn.execute("SELECT 1 FROM platform_service_accounts WHERE id = $1 FOR KEY SHARE", platform_account_id)
+async def fence_lease(conn: asyncpg.Connection, lease: Lease) -> None:
+    """The lease half of the execution fence, in the workspace message transaction (the platform root is
+    key-shared first, by the command's prelock): the delivery still carries this lease token and version,
+    unexpired by the clock now (not the transaction's start), and the workspace's placement epoch is the
+    one leased.  Raises Conflict with the reason otherwise."""
     row = await conn.fetchrow(
-        "SELECT state, lease_token, version, lease_expires_at > now() AS live, broadcast_seq "
+        "SELECT state, lease_token, version, lease_expires_at > clock_timestamp() AS live "
         "FROM platform_service_account_broadcast_deliveries WHERE id = $1 FOR UPDATE", lease.delivery_id)
     if row is None or row["state"] != "leased" or row["lease_token"] != lease.lease_token or \
             row["version"] != lease.version or not row["live"]:
@@ -660,6 +673,11 @@ async def fence_delivery(conn: asyncpg.Connection, lease: Lease, platform_accoun
         "SELECT placement_epoch FROM workspace_placements WHERE workspace_id = $1 FOR SHARE", lease.workspace_id)
     if epoch != lease.placement_epoch:
         raise Conflict("stale_placement", "the workspace moved to another placement epoch")
+
+
+async def lock_instance_cursor(conn: asyncpg.Connection, lease: Lease, platform_account_id: str) -> asyncpg.Record:
+    """The cursor half: the instance (locked after its local account, the order every writer uses) has
+    applied the previous broadcast seq."""
     instance = await conn.fetchrow(
         "SELECT * FROM platform_service_account_workspace_instances WHERE platform_service_account_id = $1 "
         "AND workspace_id = $2 FOR UPDATE", platform_account_id, lease.workspace_id)
@@ -670,6 +688,11 @@ async def fence_delivery(conn: asyncpg.Connection, lease: Lease, platform_accoun
     return instance
 
 
+async def hold_root(conn: asyncpg.Connection, platform_account_id: str) -> None:
+    """Key-share the platform root: a delete (FOR UPDATE) waits for this transaction, or this for it."""
+    await conn.execute("SELECT 1 FROM platform_service_accounts WHERE id = $1 FOR KEY SHARE", platform_account_id)
+
+
 async def settle_delivered(conn: asyncpg.Connection, lease: Lease, instance_id: str, message_id: str) -> None:
     await conn.execute(
         "UPDATE platform_service_account_broadcast_deliveries SET state = 'delivered', outcome = 'delivered', "
@@ -678,10 +701,6 @@ async def settle_delivered(conn: asyncpg.Connection, lease: Lease, instance_id: 
     await conn.execute(
         "UPDATE platform_service_account_workspace_instances SET last_applied_broadcast_seq = $2, "
         "version = version + 1, updated_at = now() WHERE id = $1", instance_id, lease.broadcast_seq)
-
-
-async def snapshot(conn: asyncpg.Connection, broadcast_id: str) -> asyncpg.Record:
-    return await broadcast(conn, broadcast_id)
 
 
 # --- operator actions on a delivery ------------------------------------------------------------------------
@@ -750,6 +769,8 @@ async def settle_skip(conn: asyncpg.Connection, delivery_id: str, expected_versi
     row = await _lock_delivery(conn, delivery_id, expected_version)
     if row["state"] in SETTLED_STATES:
         raise Conflict("already_settled", f"the delivery is {row['state']}")
+    if not row["recipient_eligible"]:
+        raise Conflict("not_a_target", "a generation_excluded settlement is not a recipient target")
     instance = await conn.fetchrow(
         "SELECT * FROM platform_service_account_workspace_instances WHERE platform_service_account_id = $1 "
         "AND workspace_id = $2 FOR UPDATE", row["platform_service_account_id"], row["workspace_id"])

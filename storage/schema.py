@@ -1983,8 +1983,9 @@ platform_service_account_audit_events = introduced_in(5, Table(
                    ("id",)),
     ),
     indexes=(
-        Index("platform_service_account_audit_events_account_idx", "platform_service_account_id, id",
-              where="platform_service_account_id IS NOT NULL"),
+        # One account's audit, also after its deletion (the id stays in details when the key is nulled).
+        Index("platform_service_account_audit_events_account_idx",
+              "(details ->> 'platform_service_account_id'), id"),
     ),
 ))
 

@@ -16,6 +16,7 @@ import msgspec
 import trio
 
 from actors import platform_account as pa
+from actors import scope_actor as cmd
 from actors.fanout import CommittedEvent
 from actors.platform_delivery import ScopeErased
 from domain.platform import PLATFORM_CHANNEL, PLATFORM_FEED
@@ -32,7 +33,7 @@ from server.ops.service_accounts import _decode_cursor, _name, _page, _publish, 
 from server.realtime import PushState
 from storage import platform as store
 from storage import tenancy
-from storage.errors import DatabaseUnavailable, NotFound
+from storage.errors import DatabaseUnavailable, NotFound, StorageError
 from storage.ids import is_valid_id, new_id
 
 if TYPE_CHECKING:
@@ -273,8 +274,12 @@ async def account_delete(server: Server, connection: Connection, request: p.Plat
         request.expected_version, _operator(ctx), _correlation()))
     for local in locals_:
         if server.registry is not None and server.registry.is_live(local["message_scope_id"]):
-            await server.registry.submit(local["message_scope_id"],
-                                         ScopeErased(await _system(server, local["workspace_id"])))
+            try:  # best effort: the delete has committed; an actor left stale finds no scope at its next reload
+                await server.registry.submit(local["message_scope_id"],
+                                             ScopeErased(await _system(server, local["workspace_id"])))
+            except (StorageError, cmd.Refused, cmd.ActorFailed) as exc:
+                log.warning("erased scope's actor not told", extra={"scope_id": local["message_scope_id"],
+                                                                     "error": str(exc)})
         watchers = await _watchers(server, local["workspace_id"])
         _publish(server, local["workspace_id"], "service_account.deleted", s.ServiceAccountChanged(
             service_account_id=local["id"], principal_id=local["principal_id"], version=local["version"],
@@ -335,7 +340,7 @@ async def broadcast_list(server: Server, connection: Connection, request: p.Broa
                          ctx: RequestContext) -> p.BroadcastPage:
     account_id = await _existing(server, request.platform_service_account_id)
     before = _decode_cursor(request.cursor, 1)
-    if before is not None and not before[0].isdigit():
+    if before is not None and not (before[0].isascii() and before[0].isdigit() and len(before[0]) <= 18):
         raise ProtocolError(ErrorCode.INVALID, "malformed cursor", details={"reason": "bad_cursor"})
 
     async def unit(conn) -> list[tuple[Any, Any]]:
