@@ -45,7 +45,6 @@ class PlatformSettings:
     lease_seconds: float = 30.0
     max_attempts: int = 8
     retry_base_seconds: float = 1.0
-    lease_batch: int = 64  # per pass: a command waits at most one pass of deliveries
 
 
 @dataclass
@@ -115,8 +114,14 @@ class PlatformAccountActor:
         self.settings = services.settings
         self.mailbox, self._inbox = trio.open_memory_channel[PlatformCommand](64)
         self._wake = trio.Event()
+        # A full pass (provisioning, numbering, enumeration) is due: a command, a NOTIFY or the timer.
+        # A finished delivery wakes only the dispatch part.
+        self._full_pass_due = True
         self.deleted = False
         self._snapshots: dict[str, BroadcastSnapshot] = {}
+        self._in_flight = 0
+        self._settled_since_check = False
+        self._delivery_slots = trio.CapacityLimiter(self.settings.delivery_concurrency)
         # Dispatch table: one handler per command type.
         self._handlers: dict[type, Callable[[Any], Awaitable[Any]]] = {
             AcceptBroadcast: self._accept, UpdateProfile: self._update, DeleteAccount: self._delete,
@@ -124,6 +129,7 @@ class PlatformAccountActor:
         }
 
     def wake(self) -> None:
+        self._full_pass_due = True
         self._wake.set()
 
     async def submit(self, command: PlatformCommand) -> Any:
@@ -152,23 +158,29 @@ class PlatformAccountActor:
 
     async def _advance_loop(self) -> None:
         failures = 0
-        while not self.deleted:
-            self._wake = trio.Event()
-            try:
-                progressed = await self._advance()
-                failures = 0
-            except NotFound:
-                return  # deleted (here or by another process): nothing is left to advance
-            except (StorageError, asyncpg.PostgresError) as exc:
-                failures += 1
-                log.warning("platform account step failed; retrying", extra={
-                    "platform_service_account_id": self.account_id, "error": str(exc)})
-                progressed = False
-            if progressed:
-                continue
-            await self._sleep(failures)
+        async with trio.open_nursery() as deliveries:
+            while not self.deleted:
+                self._wake = trio.Event()
+                full, self._full_pass_due = self._full_pass_due, False
+                try:
+                    progressed = await self._advance(full, deliveries)
+                    failures = 0
+                except NotFound:
+                    break  # deleted (here or by another process): nothing is left to advance
+                except (StorageError, asyncpg.PostgresError) as exc:
+                    failures += 1
+                    log.warning("platform account step failed; retrying", extra={
+                        "platform_service_account_id": self.account_id, "error": str(exc)})
+                    progressed = False
+                if progressed:
+                    self._full_pass_due = self._full_pass_due or full
+                    continue
+                if not await self._sleep(failures):
+                    self._full_pass_due = True  # the timer: look at every kind of work again
+            deliveries.cancel_scope.cancel()
 
-    async def _sleep(self, failures: int) -> None:
+    async def _sleep(self, failures: int) -> bool:
+        """Until woken (True) or the next timed work is due (False)."""
         if failures:
             timeout = min(IDLE_RECHECK_SECONDS, 0.5 * 2 ** failures)  # a failing step backs off
         else:
@@ -179,6 +191,8 @@ class PlatformAccountActor:
             timeout = IDLE_RECHECK_SECONDS if due is None else min(IDLE_RECHECK_SECONDS, due + 0.05)
         with trio.move_on_after(timeout):
             await self._wake.wait()
+            return True
+        return False
 
     async def _serve_commands(self, cancel_scope: trio.CancelScope) -> None:
         async for command in self._inbox:
@@ -227,20 +241,26 @@ class PlatformAccountActor:
 
     # --- advancing the rows ------------------------------------------------------------------------------
 
-    async def _advance(self) -> bool:
-        """One bounded step of each kind of work; True when any moved (there may be more)."""
+    async def _advance(self, full: bool, deliveries: trio.Nursery) -> bool:
+        """One bounded step of each kind of work due; True when any moved (there may be more)."""
         correlation = new_id("req")
-        progressed = await self._provision(correlation)
-        progressed |= await self._profile()
-        numbered = await self.db.transaction(store.allocate_step, self.account_id, correlation)
-        progressed |= bool(numbered)
-        progressed |= await self.db.transaction(store.enumerate_step, self.account_id, ENUMERATION_PAGE)
-        progressed |= await self._dispatch(correlation)
-        finished = await self.db.transaction(store.finish_broadcasts, self.account_id, correlation)
-        for broadcast_id in finished:
-            self._snapshots.pop(broadcast_id, None)
-            await self._emit("platform_service_account.broadcast_completed", broadcast_id=broadcast_id)
-        return progressed or bool(finished)
+        progressed = False
+        if full:
+            progressed |= await self._provision(correlation)
+            progressed |= await self._profile()
+            progressed |= bool(await self.db.transaction(store.allocate_step, self.account_id, correlation))
+            progressed |= await self.db.transaction(store.enumerate_step, self.account_id, ENUMERATION_PAGE)
+        settled, self._settled_since_check = self._settled_since_check, False
+        progressed |= await self._dispatch(full or settled, deliveries)
+        if full or (settled and self._in_flight == 0):
+            finished = await self.db.transaction(store.finish_broadcasts, self.account_id, correlation)
+            for broadcast_id in finished:
+                self._snapshots.pop(broadcast_id, None)
+                await self._emit("platform_service_account.broadcast_completed", broadcast_id=broadcast_id)
+            progressed |= bool(finished)
+        elif settled:
+            self._settled_since_check = True  # checked once the deliveries in flight are done
+        return progressed
 
     async def _provision(self, correlation: str) -> bool:
         step = await self.db.transaction(store.provision_step, self.account_id, PROVISION_BATCH, correlation)
@@ -258,15 +278,21 @@ class PlatformAccountActor:
             await self._emit("service_account.updated", workspace_id=local["workspace_id"], local=local)
         return bool(changed)
 
-    async def _dispatch(self, correlation: str) -> bool:
-        excluded = await self.db.transaction(store.settle_excluded_heads, self.account_id, correlation)
+    async def _dispatch(self, heads_moved: bool, deliveries: trio.Nursery) -> bool:
+        """Settle the generation-excluded heads, then lease due heads into free delivery slots: up to
+        twice the concurrency in flight (leased ahead), topped up once half of that is free."""
+        excluded = 0
+        if heads_moved:
+            excluded = await self.db.transaction(store.settle_excluded_heads, self.account_id, new_id("req"))
+        capacity = 2 * self.settings.delivery_concurrency
+        room = capacity - self._in_flight
+        if room < capacity // 2 and self._in_flight:
+            return bool(excluded)
         leases = await self.db.transaction(store.lease_heads, self.account_id, self.services.node_id,
-                                           self.settings.lease_seconds, self.settings.lease_batch)
-        if leases:
-            limiter = trio.CapacityLimiter(self.settings.delivery_concurrency)
-            async with trio.open_nursery() as nursery:
-                for lease in leases:
-                    nursery.start_soon(self._deliver, lease, limiter)
+                                           self.settings.lease_seconds, room)
+        for lease in leases:
+            self._in_flight += 1
+            deliveries.start_soon(self._deliver, lease)
         return bool(excluded or leases)
 
     async def _snapshot(self, broadcast_id: str) -> BroadcastSnapshot:
@@ -279,8 +305,16 @@ class PlatformAccountActor:
             self._snapshots[broadcast_id] = snapshot
         return snapshot
 
-    async def _deliver(self, lease: Lease, limiter: trio.CapacityLimiter) -> None:
-        async with limiter:
+    async def _deliver(self, lease: Lease) -> None:
+        try:
+            await self._run_delivery(lease)
+        finally:
+            self._in_flight -= 1
+            self._settled_since_check = True
+            self._wake.set()
+
+    async def _run_delivery(self, lease: Lease) -> None:
+        async with self._delivery_slots:
             system = ActorContext(workspace_id=lease.workspace_id, member_id=SYSTEM_MEMBER, member_kind="system",
                                   owner_member_id=None, execution_generation=lease.execution_generation)
             try:
