@@ -183,6 +183,8 @@ class PlatformAccountActor:
         """Until woken (True) or the next timed work is due (False)."""
         if failures:
             timeout = min(IDLE_RECHECK_SECONDS, 0.5 * 2 ** failures)  # a failing step backs off
+        elif self._in_flight:
+            timeout = 1.0  # finishing deliveries wake us; a backoff ending meanwhile waits at most this
         else:
             try:
                 due = await self.db.run(store.next_due_seconds, self.account_id)
@@ -251,7 +253,7 @@ class PlatformAccountActor:
             progressed |= bool(await self.db.transaction(store.allocate_step, self.account_id, correlation))
             progressed |= await self.db.transaction(store.enumerate_step, self.account_id, ENUMERATION_PAGE)
         settled, self._settled_since_check = self._settled_since_check, False
-        progressed |= await self._dispatch(full or settled, deliveries)
+        progressed |= await self._dispatch(full, deliveries)
         if full or (settled and self._in_flight == 0):
             finished = await self.db.transaction(store.finish_broadcasts, self.account_id, correlation)
             for broadcast_id in finished:
@@ -278,11 +280,13 @@ class PlatformAccountActor:
             await self._emit("service_account.updated", workspace_id=local["workspace_id"], local=local)
         return bool(changed)
 
-    async def _dispatch(self, heads_moved: bool, deliveries: trio.Nursery) -> bool:
+    async def _dispatch(self, enumerated: bool, deliveries: trio.Nursery) -> bool:
         """Settle the generation-excluded heads, then lease due heads into free delivery slots: up to
         twice the concurrency in flight (leased ahead), topped up once half of that is free."""
         excluded = 0
-        if heads_moved:
+        # Excluded rows come only from enumeration: an instance excluded from a seq opened after its G,
+        # so it is excluded from every earlier seq too and its excluded rows precede its eligible ones.
+        if enumerated:
             excluded = await self.db.transaction(store.settle_excluded_heads, self.account_id, new_id("req"))
         capacity = 2 * self.settings.delivery_concurrency
         room = capacity - self._in_flight
