@@ -18,13 +18,13 @@ import asyncpg
 import msgspec
 
 from domain.platform import RETRYABLE_STATES, SETTLED_STATES, Lease
-from domain.service_accounts import SERVICE_ACCOUNT_SLUG, identity_key, normalize_name, target_id
+from domain.service_accounts import normalize_name
 from storage import applier, deliveries, human_lifecycle, tenancy
 from storage.errors import Conflict, NotFound
 from storage.human_lifecycle import record_audit
 from storage.ids import new_id
 from storage.platform_inputs import next_generation, notify, record_input
-from storage.service_accounts import MESSAGE_WRITE, ensure_definition, hold_workspace, install_named
+from storage.service_accounts import create_substrate, hold_workspace
 
 _canonical = msgspec.json.Encoder(order="sorted")
 
@@ -258,20 +258,10 @@ async def _open_instance(conn: asyncpg.Connection, root: asyncpg.Record, workspa
     The audience opens in the reconciler's batches."""
     await hold_workspace(conn, workspace_id)
     lifecycle_seq = (await human_lifecycle.lock_workspace_policy(conn, workspace_id))["human_lifecycle_seq"]
-    definition_id, capability_id = await ensure_definition(conn, SERVICE_ACCOUNT_SLUG, "service_account",
-                                                           "named_multi_instance", "service_account_message")
     principal = root["id"]
-    local_id, scope_id = new_id("sac"), new_id("scp")
-    installation_id, service_member_id, author_member_id = await install_named(
-        conn, workspace_id, definition_id, capability_id, principal, root["name"])
-    await applier.insert_scope(conn, scope_id=scope_id, workspace_id=workspace_id, type="service_account",
-                               created_by=author_member_id, identity_key=identity_key(workspace_id, principal))
-    await conn.execute(
-        "INSERT INTO service_target_bindings (id, workspace_id, service_definition_id, service_installation_id, "
-        "service_member_id, capability, target_ref, scope_id) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
-        new_id("stb"), workspace_id, definition_id, installation_id, service_member_id, MESSAGE_WRITE,
-        target_id(local_id), scope_id,
-    )
+    local_id = new_id("sac")
+    installation_id, service_member_id, author_member_id, scope_id = await create_substrate(
+        conn, workspace_id, local_id, principal, root["name"], None)
     await conn.execute(
         "INSERT INTO service_accounts (id, principal_id, workspace_id, management_kind, platform_service_account_id, "
         "service_installation_id, service_member_id, author_member_id, message_scope_id, name, normalized_name, "

@@ -176,6 +176,28 @@ async def _release_name(conn: asyncpg.Connection, account_id: str, normalized: s
     )
 
 
+async def create_substrate(conn: asyncpg.Connection, workspace_id: str, account_id: str, principal_id: str,
+                           name: str, created_by: str | None) -> tuple[str, str, str, str]:
+    """An account's Service Actor substrate (§2.1): its named installation (instance key = the principal)
+    with service member, author member and live message.write grant, its `service_account` scope, and the
+    target binding of the two.  Returns (installation id, service member id, author member id, scope id)."""
+    definition_id, capability_id = await ensure_definition(conn, SERVICE_ACCOUNT_SLUG, "service_account",
+                                                           "named_multi_instance", "service_account_message")
+    scope_id = new_id("scp")
+    installation_id, service_member_id, author_member_id = await install_named(
+        conn, workspace_id, definition_id, capability_id, principal_id, name)
+    await applier.insert_scope(conn, scope_id=scope_id, workspace_id=workspace_id, type="service_account",
+                               created_by=created_by or author_member_id,
+                               identity_key=identity_key(workspace_id, principal_id))
+    await conn.execute(
+        "INSERT INTO service_target_bindings (id, workspace_id, service_definition_id, service_installation_id, "
+        "service_member_id, capability, target_ref, scope_id) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+        new_id("stb"), workspace_id, definition_id, installation_id, service_member_id, MESSAGE_WRITE,
+        target_id(account_id), scope_id,
+    )
+    return installation_id, service_member_id, author_member_id, scope_id
+
+
 # --- accounts -----------------------------------------------------------------------------------------
 
 ACCOUNT_COLUMNS = (
@@ -197,19 +219,9 @@ async def create_account(conn: asyncpg.Connection, *, workspace_id: str, creator
     # before (the first pass sees them) or numbers its event after this account exists (and bumps it).
     lifecycle_seq = (await human_lifecycle.lock_workspace_policy(conn, workspace_id))["human_lifecycle_seq"]
     await _claim_name(conn, workspace_id, normalized)
-    definition_id, capability_id = await ensure_definition(conn, SERVICE_ACCOUNT_SLUG, "service_account",
-                                                     "named_multi_instance", "service_account_message")
-    account_id, scope_id = new_id("sac"), new_id("scp")
-    installation_id, service_member_id, author_member_id = await install_named(
-        conn, workspace_id, definition_id, capability_id, account_id, name)
-    await applier.insert_scope(conn, scope_id=scope_id, workspace_id=workspace_id, type="service_account",
-                               created_by=creator_member_id, identity_key=identity_key(workspace_id, account_id))
-    await conn.execute(
-        "INSERT INTO service_target_bindings (id, workspace_id, service_definition_id, service_installation_id, "
-        "service_member_id, capability, target_ref, scope_id) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
-        new_id("stb"), workspace_id, definition_id, installation_id, service_member_id, MESSAGE_WRITE,
-        target_id(account_id), scope_id,
-    )
+    account_id = new_id("sac")
+    installation_id, service_member_id, author_member_id, scope_id = await create_substrate(
+        conn, workspace_id, account_id, account_id, name, creator_member_id)
     await conn.execute(
         "INSERT INTO service_accounts (id, principal_id, workspace_id, service_installation_id, service_member_id, "
         "author_member_id, message_scope_id, name, normalized_name, description, audience_policy_version, "
