@@ -6,8 +6,9 @@ The execution fence is checked in that same transaction before anything is
 written: the platform root (key share, so Delete waits for it), the delivery's
 lease token, version and expiry, the workspace's placement epoch, and the
 instance's cursor (the previous broadcast seq is applied here).  A stale fence
-refuses with its reason and commits nothing; a lost reply converges on retry
-through the deterministic client id."""
+refuses with its reason and commits nothing.  The delivered settlement and
+the instance cursor commit with the message, so a lost reply leaves a
+delivery that no later lease can take again."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from actors.service_accounts import post_metadata
 from domain.platform import DELIVERY_PERMISSION_BASIS, BroadcastSnapshot, Lease, client_message_id
 from domain.plan import ActorContext, DeliveryPolicy, MessageIntent, MessagePlan, OutboxEvent, ScopeContext
 from domain.service_accounts import POST_MESSAGE_TYPE
-from storage import applier, messages
+from storage import applier
 from storage import platform as store
 from storage import service_accounts as accounts
 from storage.errors import Conflict
@@ -54,12 +55,9 @@ async def deliver(actor: ScopeActor, conn: asyncpg.Connection, state: ScopeConte
     if account["audience_state"] == "provisioning" or not account["grant_live"]:
         raise Refused("conflict", "the local account's audience or grant is not ready", "audience_not_ready")
     author = account["author_member_id"]
+    # No idempotency lookup: the delivered settlement commits with the message, so a fence that passed
+    # means no earlier attempt wrote it; the unique message key on the deterministic client id backs that.
     client_id = client_message_id(broadcast.broadcast_id)
-    existing = (await applier.find_idempotent(conn, state.scope_id, [client_id])).get((author, author, client_id))
-    if existing is not None:
-        # A retry after a lost settlement: the message is there, the delivery converges on it.
-        await store.settle_delivered(conn, lease, instance["id"], existing["id"])
-        return Outcome(messages.committed_from_row(existing, replayed=True))
     intent = MessageIntent(scope_id=state.scope_id, content=broadcast.content, message_type=POST_MESSAGE_TYPE,
                            client_message_id=client_id, metadata=post_metadata(broadcast.title, None))
     service = ActorContext(workspace_id=state.workspace_id, member_id=author, member_kind="service",

@@ -652,16 +652,16 @@ async def fence_lease(conn: asyncpg.Connection, lease: Lease) -> None:
     """The lease half of the execution fence, in the workspace message transaction (the platform root is
     key-shared first, by the command's prelock): the delivery still carries this lease token and version,
     unexpired by the clock now (not the transaction's start), and the workspace's placement epoch is the
-    one leased.  Raises Conflict with the reason otherwise."""
+    one leased.  One statement: the delivery locked for update, the placement shared.  Raises Conflict
+    with the reason otherwise."""
     row = await conn.fetchrow(
-        "SELECT state, lease_token, version, lease_expires_at > clock_timestamp() AS live "
-        "FROM platform_service_account_broadcast_deliveries WHERE id = $1 FOR UPDATE", lease.delivery_id)
+        "SELECT d.state, d.lease_token, d.version, d.lease_expires_at > clock_timestamp() AS live, "
+        "p.placement_epoch FROM platform_service_account_broadcast_deliveries d JOIN workspace_placements p "
+        "ON p.workspace_id = d.workspace_id WHERE d.id = $1 FOR UPDATE OF d FOR SHARE OF p", lease.delivery_id)
     if row is None or row["state"] != "leased" or row["lease_token"] != lease.lease_token or \
             row["version"] != lease.version or not row["live"]:
         raise Conflict("stale_lease", "the delivery's lease is no longer this one")
-    epoch = await conn.fetchval(
-        "SELECT placement_epoch FROM workspace_placements WHERE workspace_id = $1 FOR SHARE", lease.workspace_id)
-    if epoch != lease.placement_epoch:
+    if row["placement_epoch"] != lease.placement_epoch:
         raise Conflict("stale_placement", "the workspace moved to another placement epoch")
 
 
@@ -684,13 +684,14 @@ async def hold_root(conn: asyncpg.Connection, platform_account_id: str) -> None:
 
 
 async def settle_delivered(conn: asyncpg.Connection, lease: Lease, instance_id: str, message_id: str) -> None:
+    """The delivered settlement and the workspace cursor, in the message's own transaction."""
     await conn.execute(
-        "UPDATE platform_service_account_broadcast_deliveries SET state = 'delivered', outcome = 'delivered', "
-        "local_message_id = $2, lease_token = NULL, lease_expires_at = NULL, last_error = NULL, "
-        "version = version + 1, updated_at = now() WHERE id = $1", lease.delivery_id, message_id)
-    await conn.execute(
-        "UPDATE platform_service_account_workspace_instances SET last_applied_broadcast_seq = $2, "
-        "version = version + 1, updated_at = now() WHERE id = $1", instance_id, lease.broadcast_seq)
+        "WITH settled AS (UPDATE platform_service_account_broadcast_deliveries SET state = 'delivered', "
+        "outcome = 'delivered', local_message_id = $2, lease_token = NULL, lease_expires_at = NULL, "
+        "last_error = NULL, version = version + 1, updated_at = now() WHERE id = $1) "
+        "UPDATE platform_service_account_workspace_instances SET last_applied_broadcast_seq = $4, "
+        "version = version + 1, updated_at = now() WHERE id = $3",
+        lease.delivery_id, message_id, instance_id, lease.broadcast_seq)
 
 
 # --- operator actions on a delivery ------------------------------------------------------------------------
