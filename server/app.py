@@ -30,10 +30,10 @@ from protocol.errors import ErrorCode, ProtocolError
 from actors.fanout import FanoutHub
 from actors.delivery_router import DeliveryRouter, FeedSubscription
 from actors.outbox_worker import OutboxWorker
+from actors.platform_account import PlatformRegistry
 from actors.registry import ScopeRegistry, actor_seconds
 from server import handlers, http, logs, messaging
 from server.ops.collaboration import run_collaborator_maintenance
-from actors.platform_account import PlatformRegistry
 from server.ops.platform import run_platform
 from server.ops.service_accounts import AudienceReconciler
 from server.ops.service_accounts import run_maintenance as run_service_account_maintenance
