@@ -13,7 +13,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import trio
+
 from client import connect
+from protocol import frames
 from tests.conftest import App, add_person
 from tests.platform_helpers import (broadcast, conversation_messages, create_platform_account, get_account,
                                     instances, local_account, operator, wait_broadcast_done, wait_ready)
@@ -69,7 +72,7 @@ async def test_operator_keys_authenticate_and_stay_outside_every_workspace(app: 
                             owner.call("platform.account.create", name="News"))
         await expect_reason("forbidden", "platform_operator_required", owner.call("platform.account.list"))
 
-    # Disabling an operator refuses its very next request on a live connection, and any new auth.
+    # Disabling an operator closes its live connections (4403) and refuses any new auth.
     async with operator(app, "soon-gone") as ops:
         await create_platform_account(ops, "Before")
         code, _, err = scopewire(database_dsn, "operator", "disable", ops.operator_id)
@@ -77,7 +80,8 @@ async def test_operator_keys_authenticate_and_stay_outside_every_workspace(app: 
         code, listed, err = scopewire(database_dsn, "operator", "list")
         assert code == 0, err
         assert {o["id"]: o["status"] for o in listed}[ops.operator_id] == "disabled"
-        await expect_error("unauthenticated", ops.call("platform.account.list"))
+        with trio.fail_after(30):
+            assert await ops.conn.wait_closed() == frames.CLOSE_REVOKED
     async with connect(app.url) as conn:
         await expect_error("unauthenticated", conn.call("auth", operator_key=ops.key))
         result = await conn.call("auth", operator_key=issued["key"])  # the other operator is untouched
