@@ -56,7 +56,8 @@ from tests.platform_helpers import (
     wait_ready,
 )
 from tests.test_service_account_audience import AudienceServer
-from tests.test_tenancy import expect_error
+from tests.service_account_helpers import Feed
+from tests.test_tenancy import expect_error, signed_in
 
 MODERATION_KEYWORD = "forbidden-phrase"
 MAX_ATTEMPTS = 2
@@ -780,3 +781,20 @@ def test_every_workspace_gets_exactly_the_broadcasts_accepted_after_it_existed(d
         run_state_machine_as_test(lambda: BroadcastInterleavings(server), settings=settings(
             max_examples=12, stateful_step_count=10, deadline=None, derandomize=True,
             phases=(Phase.explicit, Phase.generate), suppress_health_check=list(HealthCheck)))
+
+
+async def test_a_fenced_workspace_does_not_hold_the_others_back(app: App, tenants):
+    """A write-fenced workspace reconciles no audience, so its instance never gets ready; the account is
+    ready anyway and a broadcast reaches the other workspaces, while the fenced one's delivery waits."""
+    alpha, beta = tenants
+    await app.db.transaction(tenancy.fence_workspace, beta.workspace_id, write_fenced=True, new_generation=False)
+    async with operator(app) as ops, await signed_in(app, alpha.owner) as owner:
+        feed = await Feed.open(owner, {"workspace_id": alpha.workspace_id})
+        account = await create_platform_account(ops, "News")
+        ready = await wait_ready(ops, account["id"])
+        assert (ready["provisioning"]["instances"], ready["provisioning"]["instances_ready"]) == (2, 1)
+        sent = await broadcast(ops, account["id"], "while-fenced", content="hello alpha")
+        message = await feed.wait("message.created", lambda data: data["content"] == "hello alpha")
+        assert message["client_message_id"] == client_message_id(sent["id"])
+        state = await ops.call("platform.broadcast.get", broadcast_id=sent["id"])
+        assert state["state"] == "dispatching" and state["targets"]["targets"] == 2
