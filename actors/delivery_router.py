@@ -284,7 +284,8 @@ class DeliveryRouter:
         activities = await deliveries.activity_events(conn, activity_ids) if activity_ids else {}
         if settle:
             await applier.settle_delivered(conn, list(settle))
-        return [(subscription, [Handout(row, messages.committed_from_row(found[row["message_id"]]),
+        return [(subscription, [Handout(row, messages.committed_from_row(found[row["message_id"]])
+                                        if row["message_id"] else None,
                                         activities.get(row["activity_event_id"])) for row in rows])
                 for subscription, rows in result]
 

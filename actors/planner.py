@@ -24,6 +24,7 @@ from domain.plan import (
 from domain.routing import Route
 from actors.routing_tokens import parse_routing_tokens
 from domain.authority import ScopeAuthority
+from domain.strands import AUDIENCE_TOKENS as STRAND_AUDIENCE_TOKENS
 
 _digest_encoder = msgspec.json.Encoder(order="sorted")
 
@@ -100,10 +101,15 @@ def plan_message(intent: MessageIntent, actor: ActorContext, scope: ScopeContext
             executions.setdefault(candidate.owner_member_id, "wake")
         return True
 
+    audiences: dict[str, str] = {}
     for handle in mention_handles(intent):
-        if handle in policy.AUDIENCE_TOKENS:
-            explain.append(Explain(member_id=handle, reason="audience_mention_deferred", delivered=False))
+        audience = audience_of(handle, scope.type)
+        if audience is not None:
+            if not intent.silent:
+                audiences.setdefault(audience, handle)
             continue
+        if handle in policy.AUDIENCE_TOKENS:
+            continue  # @here outside a strand: plain text
         candidate = candidates.get(handle)
         if candidate is None:
             continue  # not a member handle: plain text
@@ -133,4 +139,15 @@ def plan_message(intent: MessageIntent, actor: ActorContext, scope: ScopeContext
     return MessagePlan(intent=intent, actor=actor, digest=payload_digest(intent), live_mentions=tuple(live),
                        membership_mutations=tuple(admissions.values()), outbox=outbox, explain=tuple(explain),
                        recipients=tuple(recipients), executions=tuple(executions.items()),
-                       routes=tuple(routes.values()))
+                       routes=tuple(routes.values()),
+                       audience_mentions=tuple((token, audience) for audience, token in audiences.items()))
+
+
+def audience_of(token: str, scope_type: str) -> str | None:
+    """The audience an `@token` names here: `@all` in a channel, thread or strand; the
+    strand audiences (`@here`, `@participants`, `@watchers`, `@assignees`) in a strand only."""
+    if scope_type == "task":
+        return STRAND_AUDIENCE_TOKENS.get(token)
+    if token == "all" and scope_type in ("channel", "thread"):
+        return "effective_scope_members"
+    return None

@@ -7,6 +7,7 @@ import contextvars
 import logging
 import time
 from collections.abc import Callable
+from datetime import datetime, timezone
 from typing import Any
 
 import trio
@@ -41,12 +42,14 @@ class ScopeRegistry:
         # Bounds a caller's whole wait: for mailbox room and for the reply.
         self.submit_timeout_seconds = submit_timeout_seconds
         self.mailbox_size = mailbox_size
+        # Wall time as actors see it (audience-mention quotas): injectable, so tests drive the window.
+        self.clock: Callable[[], datetime] = lambda: datetime.now(timezone.utc)
 
     def _actor_for(self, scope_id: str) -> ScopeActor:
         actor = self._actors.get(scope_id)
         if actor is None or actor.stopped:
             actor = ScopeActor(scope_id, self.db, self.hub, self.outbox_wake, self.idle_seconds, self.mailbox_size,
-                               self.on_commit, self.offer_deliveries)
+                               self.on_commit, self.offer_deliveries, clock=lambda: self.clock())
             self._actors[scope_id] = actor
             self._context.run(self._nursery.start_soon, self._supervise, actor)
         return actor

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from datetime import datetime, timezone
 from functools import partial
 from dataclasses import dataclass, field
 from collections.abc import Callable
@@ -44,7 +45,9 @@ from actors.policy import can_add_member
 from actors.routing_tokens import TooManyRoutingTokens
 from domain.authority import ScopeAuthority, private_read_reason
 from domain.routing import RoutedDelivery
-from storage import applier, deliveries, messages, private_authority, tenancy, visibility
+from domain.strands import effective_level
+from domain.routing import AUDIENCE_MENTION, REACTION, SILENCED_STATES, UNPUSHED_STATES, WATCH, Route
+from storage import applier, deliveries, messages, private_authority, strands, tenancy, visibility
 from storage.bridge import Database
 from storage.errors import Conflict, DatabaseUnavailable, NotFound, StorageError, WriteFenced
 
@@ -126,6 +129,8 @@ class CreateScope(Command):
     identity_key: str | None = None
     parent_scope_id: str | None = None
     root_message_id: str | None = None
+    # A task scope's strand row, written in the same transaction (storage/strands.py).
+    strand: dict[str, Any] | None = None
     requires_membership: ClassVar[bool] = False
 
 
@@ -224,8 +229,12 @@ class ScopeActor:
     def __init__(self, scope_id: str, db: Database, hub: FanoutHub, outbox_wake: Callable[[], None] | None = None,
                  idle_seconds: float = 30.0, mailbox_size: int = 1024,
                  on_commit: Callable[[int, float], None] | None = None,
-                 offer_deliveries: Callable[[list[RoutedDelivery]], None] | None = None) -> None:
+                 offer_deliveries: Callable[[list[RoutedDelivery]], None] | None = None,
+                 clock: Callable[[], datetime] | None = None) -> None:
         self.scope_id = scope_id
+        self.clock = clock or (lambda: datetime.now(timezone.utc))
+        # Audience mentions of the running batch's sends that passed their checks: plan index → audiences.
+        self._audiences: dict[int, tuple[str, ...]] = {}
         # Hands committed routed deliveries to the process's delivery router.
         self.offer_deliveries = offer_deliveries
         # Told (batch size, seconds in the transaction) after each committed batch: metrics.
@@ -251,6 +260,8 @@ class ScopeActor:
         # For a thread: the parent as this actor last read it (admission, inherited authority).
         self.parent: ScopeContext | None = None
         self.authority = ScopeAuthority()
+        # A task scope's strand (watches, assignees, participants): what routing reads.
+        self.strand: strands.StrandState | None = None
         # Owners whose Scope Execution here is known to exist (created on a first wake / owner_quote).
         self._executions: set[str] = set()
         # Ensured in the running batch: known to exist only once it commits.
@@ -338,6 +349,8 @@ class ScopeActor:
             else:
                 outcomes = await self.db.transaction(self._apply_batch, batch, settling)
         except (StorageError, asyncpg.PostgresError) as exc:
+            if self.state is not None and self.state.type == "task":
+                await self._reload()  # the batch's in-memory strand updates (participants) rolled back with it
             if len(batch) > 1 and isinstance(exc, asyncpg.PostgresError):
                 # One command broke the whole batch: run each alone so the rest commit.
                 for command in batch:
@@ -406,6 +419,9 @@ class ScopeActor:
             parent_scope_id=command.parent_scope_id, root_message_id=command.root_message_id)
         if scope_id != self.scope_id:
             return Outcome(scope_id)
+        if command.strand is not None:
+            await strands.insert_strand(conn, scope_id=scope_id, workspace_id=actor.workspace_id,
+                                        creator=actor.member_id, **command.strand)
         if command.channel is not None:
             profile = command.channel
             await applier.insert_channel_profile(
@@ -444,6 +460,7 @@ class ScopeActor:
 
     def _take(self, view: messages.ActorView) -> None:
         self.state, self.parent, self.authority = view.state, view.parent, view.authority
+        self.strand = view.strand
         roster = self.state.roster if self.state else {}
         self._roster_set = frozenset(roster)
         self._private_readers = tuple(e for e in roster.values() if e.visibility == "private")
@@ -511,6 +528,10 @@ class ScopeActor:
             del self._unsettled[:len(settling)]
 
     async def _apply_batch(self, conn: asyncpg.Connection, batch: list[Command], settling: list[str]) -> list[Any]:
+        assert self.state is not None
+        if self.state.type == "task":
+            # A task's roster is its board channel's readers: re-read when the channel's moved.
+            await self._refresh_parent(conn)
         state = self.state
         assert state is not None
         for command in batch:
@@ -582,9 +603,16 @@ class ScopeActor:
             if key is not None:
                 claimed[key] = (index, plan)
             fresh.append((index, plan))
+        self._audiences = {}
+        uses = await self._authorize_audiences(conn, state, fresh, outcomes) if any(
+            p.audience_mentions for _, p in fresh) else {}
+        fresh = [(i, p) for i, p in fresh if outcomes[i] is None]
         if fresh:
             committed = await applier.insert_messages(conn, state.workspace_id, state.scope_id,
                                                       [p for _, p in fresh])
+            if uses:
+                await strands.record_audience_uses(conn, state.workspace_id, [
+                    (uses[i], message.id) for (i, _), message in zip(fresh, committed) if i in uses], self.clock())
             # The global seqs are allocated (the workspace counter stays locked until
             # commit): a grant or collaborator change on the parent either committed
             # before (seen now) or ends after these messages.  Live fanout then
@@ -625,6 +653,9 @@ class ScopeActor:
         sets: list[tuple[int, deliveries.RouteSet]] = []
         now = None
         for (index, plan), message in zip(fresh, committed):
+            if state.type == "task" and self.strand is not None:
+                # The author participates from here on: the next message, of this batch too (§8.7).
+                self.strand.participants.add(message.author_member_id)
             if plan.intent.silent:
                 continue
             routes = list(plan.routes)
@@ -638,8 +669,17 @@ class ScopeActor:
                                                      message.workspace_global_seq, message.created_at)
                 routes += routing.auto_wake(message.author_member_id, state.roster.get(message.author_member_id),
                                             candidates, readers, self.authority, now)
+            audiences = self._audiences.get(index)
+            if audiences:
+                routes = _merge_routes(routes, self._audience_routes(state, message.author_member_id, audiences,
+                                                                     await self._policies(conn, state)))
+            if state.type == "task" and self.strand is not None:
+                routes = self._strand_routes(state, message.author_member_id, routes)
+            routes = await self._third_party_gate(conn, state, message.author_member_id, routes)
             if routes:
                 sets.append((index, deliveries.RouteSet(tuple(routes), message_id=message.id)))
+        if state.type == "task":
+            await self.open_participants(conn, state, [p.actor.member_id for _, p in fresh])
         if not sets:
             return
         written = await deliveries.write_routes(conn, state.workspace_id, state.scope_id, [s for _, s in sets],
@@ -649,6 +689,162 @@ class ScopeActor:
             by_message.setdefault(delivery.message_id, []).append(delivery)
         for index, route_set in sets:
             outcomes[index].deliveries = by_message.get(route_set.message_id, [])
+
+    async def _authorize_audiences(self, conn: asyncpg.Connection, state: ScopeContext,
+                                   fresh: list[tuple[int, MessagePlan]], outcomes: list[Any]) -> dict[int, str]:
+        """strand-message §9.4.4: a send with an audience mention needs the workspace's declared
+        policy for each audience (none: disabled), a live broadcast grant of its author on the
+        channel (its threads and its boards' strands included), and quota left in the grant's
+        period; otherwise the whole message is refused.  Returns plan index → grant used."""
+        uses: dict[int, str] = {}
+        channel = state.scope_id if state.type == "channel" else state.parent_scope_id
+        policies = await strands.audience_policies(conn, state.workspace_id)
+        now = self.clock()
+        left: dict[str, tuple[str, int] | None] = {}
+        # Grant rows are locked in author order: two actors on one channel never wait on each other in a cycle.
+        for author in sorted({p.actor.member_id for _, p in fresh if p.audience_mentions}):
+            left[author] = (await strands.usable_audience_grant(conn, state.workspace_id, author, channel, now)
+                            if channel is not None else None)
+        for index, plan in fresh:
+            if not plan.audience_mentions:
+                continue
+            audiences = tuple(audience for _, audience in plan.audience_mentions)
+            if any(audience not in policies for audience in audiences):
+                outcomes[index] = Refused("forbidden", "audience mentions are disabled here",
+                                          "audience_mention_disabled")
+                continue
+            author = plan.actor.member_id
+            grant = left[author]
+            if grant is None:
+                outcomes[index] = Refused("forbidden", "no broadcast-mention grant covers this scope",
+                                          "audience_mention_not_granted")
+                continue
+            if grant[1] <= 0:
+                outcomes[index] = Refused("rate_limited", "the broadcast-mention quota is used up for now",
+                                          "audience_mention_quota")
+                continue
+            left[author] = (grant[0], grant[1] - 1)
+            uses[index] = grant[0]
+            self._audiences[index] = audiences
+        return uses
+
+    def _audience_routes(self, state: ScopeContext, author: str, audiences: tuple[str, ...],
+                         max_recipients: dict[str, int]) -> list[Route]:
+        """The readers an authorized audience mention reaches (§9.4.3), computed now, at commit.
+        Never a private agent (only its owner and those the owner authorized may wake it), never
+        the author, never a muted watcher.  Over the policy's max_recipients the mention is
+        degraded to plain text: nobody is notified, and the sender's answer is the same, so the
+        recipient count never leaks (§9.4.3-§9.4.4)."""
+        strand = self.strand
+
+        def notifiable(member_id: str) -> bool:
+            entry = state.roster.get(member_id)
+            if entry is None or entry.visibility == "private" or entry.notification_state in SILENCED_STATES:
+                return False
+            watch = strand.watches.get(member_id) if strand is not None else None
+            return member_id != author and (watch is None or watch.level != "muted")
+
+        reached: set[str] = set()
+        for audience in audiences:
+            # The cap counts whom the mention would notify: never a member it can never reach.
+            members = {m for m in self._audience_members(state, audience) if notifiable(m)}
+            if len(members) > max_recipients.get(audience, 0):
+                continue
+            reached |= members
+        out = []
+        for member_id in sorted(reached):
+            entry = state.roster[member_id]
+            out.append(Route(member_id, AUDIENCE_MENTION, "member",
+                             push=entry.notification_state not in UNPUSHED_STATES, reasons=(AUDIENCE_MENTION,)))
+        return out
+
+    def _audience_members(self, state: ScopeContext, audience: str) -> set[str]:
+        readers = set(state.roster)
+        strand = self.strand
+        if audience == "effective_scope_members" or strand is None:
+            return readers if audience == "effective_scope_members" else set()
+        watchers = {m for m, w in strand.watches.items() if w.level in ("participating", "all")}
+        participants = set(strand.participants)
+        members = {"strand_participants": participants, "strand_watchers": watchers,
+                   "strand_engaged": participants | watchers, "assigned_actors": set(strand.assignees)}[audience]
+        return members & readers
+
+    def _all_watchers(self, state: ScopeContext, actor: str) -> list[Route]:
+        strand = self.strand
+        assert strand is not None
+        routes = []
+        for member_id, watch in sorted(strand.watches.items()):
+            entry = state.roster.get(member_id)
+            if (watch.level == "all" and member_id != actor and entry is not None
+                    and entry.notification_state not in SILENCED_STATES):
+                routes.append(Route(member_id, REACTION, "member", push=entry.notification_state not in UNPUSHED_STATES,
+                                    reasons=(REACTION, WATCH)))
+        return routes
+
+    def _strand_routes(self, state: ScopeContext, author: str, routes: list[Route]) -> list[Route]:
+        """A strand's watchers (strand-message §8.2, §8.7): effective level `all` or
+        `participating` (explicit, or implied by an assignment or an own visible message)
+        hear of every new message; `muted` silences everything, mentions included.
+        A member picked for several reasons gets one delivery listing them all (§9.4.2).
+        An agent watcher hears only of humans' messages, as with auto-wake."""
+        strand = self.strand
+        author_entry = state.roster.get(author)
+        author_kind = author_entry.kind if author_entry is not None else "service"
+        assert strand is not None
+        by_member = {r.member_id: r for r in routes}
+        out: list[Route] = []
+        # Everyone else is at mentions_only with nothing addressed: not a route (O(watchers), not O(readers)).
+        candidates = set(strand.watches) | strand.assignees | strand.participants | set(by_member)
+        for member_id in sorted(candidates):
+            entry = state.roster.get(member_id)
+            if member_id == author or entry is None:
+                continue
+            watch = strand.watches.get(member_id)
+            level = effective_level(watch.level if watch is not None else None,
+                                    member_id in strand.assignees or member_id in strand.participants)
+            addressed = by_member.pop(member_id, None)
+            if level == "muted":
+                continue
+            watching = level in ("all", "participating") and entry.notification_state not in SILENCED_STATES
+            if watching and entry.kind == "agent" and author_kind != "human":
+                watching = False  # agents and services never wake a watching agent: no wake loops
+            if addressed is not None:
+                known = addressed.reasons or (addressed.reason,)
+                reasons = tuple(dict.fromkeys((*known, WATCH))) if watching else known
+                out.append(dataclasses.replace(addressed, reasons=reasons))
+            elif watching:
+                out.append(Route(member_id, WATCH, "member", push=entry.notification_state not in UNPUSHED_STATES,
+                                 reasons=(WATCH,)))
+        return out + list(by_member.values())
+
+    async def _policies(self, conn: asyncpg.Connection, state: ScopeContext) -> dict[str, int]:
+        return await strands.audience_policies(conn, state.workspace_id)
+
+    async def _third_party_gate(self, conn: asyncpg.Connection, state: ScopeContext, author: str,
+                                routes: list[Route]) -> list[Route]:
+        """strand-message §9.4.5: a public agent hears of a mention (direct or audience) by
+        someone other than its owner only while its owner's selection, and the strand's
+        ceiling, accept third-party mentions.  Judged once, at commit: later changes neither
+        add nor withdraw deliveries."""
+        agents = [r.member_id for r in routes
+                  if (entry := state.roster.get(r.member_id)) is not None and entry.kind == "agent"
+                  and entry.visibility == "public" and {r.reason, *r.reasons} & _MENTION_REASONS]
+        if not agents:
+            return routes
+        gate = await strands.mention_gate(conn, state.workspace_id, agents)
+        accepts = {agent: accepted for agent, (_, accepted) in gate.items()}
+        owners = {agent: owner for agent, (owner, _) in gate.items()}
+        ceiling = self.strand.row["accept_third_party_mention"] if self.strand is not None else None
+        out = []
+        for route in routes:
+            if route.member_id in accepts and owners.get(route.member_id) != author and (
+                    not accepts[route.member_id] or ceiling is False):
+                kept = tuple(r for r in (route.reasons or (route.reason,)) if r not in _MENTION_REASONS)
+                if not kept:
+                    continue
+                route = dataclasses.replace(route, reason=kept[0], reasons=kept)
+            out.append(route)
+        return out
 
     def _private_readers_here(self) -> bool:
         """Whether any private agent may be addressed here (in this scope or, for a thread, its parent)."""
@@ -701,6 +897,17 @@ class ScopeActor:
                                                      state.latest_seq)
             self._roster_dirty = True
 
+    async def refresh_task_authority(self, conn: asyncpg.Connection) -> None:
+        await self._refresh_parent(conn)
+
+    async def open_participants(self, conn: asyncpg.Connection, state: ScopeContext, member_ids: list[str]) -> None:
+        """A task's state-only rows (read cursor, Inbox) for authorized members who lack one."""
+        known = self.strand.participant_rows if self.strand is not None else set()
+        missing = sorted(set(member_ids) - known)
+        if missing:
+            await applier.open_participant_rows(conn, state.workspace_id, state.scope_id, missing)
+            self._roster_dirty = True  # known after the reload that follows the commit
+
     def forget_state(self) -> None:
         """Another transaction erased this scope (a platform account's delete): reload after this batch."""
         self._roster_dirty = True
@@ -716,22 +923,78 @@ class ScopeActor:
 
     async def _edit(self, conn: asyncpg.Connection, state: ScopeContext, command: Edit) -> Outcome:
         actor = command.actor
+        current = await messages.committed_message(conn, state.scope_id, command.message_id)
+        if current is not None and current.author_member_id != actor.member_id:
+            raise Refused("forbidden", "only the author edits a message", "not_author")
+        plan = None
+        if current is not None and current.message_type in _MENTIONING_TYPES and current.state == "visible":
+            plan = await self._plan_edit(conn, state, actor, current.message_type, command.content)
+        metadata = None
+        if plan is not None and current is not None:
+            metadata = {k: v for k, v in current.metadata.items() if k not in ("mentions", "audience_mentions")}
+            if plan.live_mentions:
+                metadata["mentions"] = list(plan.live_mentions)
+            # Authorized when sent: an edit keeps those its text still holds and never adds one (§9.4.4).
+            still_there = {audience for _, audience in plan.audience_mentions}
+            kept = [m for m in current.metadata.get("audience_mentions", ()) if m["audience"] in still_there]
+            if kept:
+                metadata["audience_mentions"] = kept
         row = await applier.edit_message(conn, state.scope_id, command.message_id, actor.member_id,
-                                         command.content, command.expected_revision, actor.execution_generation)
+                                         command.content, command.expected_revision, actor.execution_generation,
+                                         metadata)
         if row["author_member_id"] != actor.member_id:
             raise Refused("forbidden", "only the author edits a message", "not_author")
-        return Outcome(row)
+        outcome = Outcome(row)
+        if plan is not None and current is not None:
+            # strand-message §9.4.2: a revision notifies only the members it newly mentions.
+            before = set(current.metadata.get("mentions", ()))
+            # An edit admits nobody into a thread: only members already in the scope are woken.
+            routes = [r for r in plan.routes if r.reason == "mention" and r.member_id not in before
+                      and r.member_id in state.roster]
+            if routes and state.type == "task" and self.strand is not None:
+                routes = [r for r in self._strand_routes(state, actor.member_id, routes)
+                          if r.member_id not in before and "mention" in (r.reasons or (r.reason,))]
+            if routes:
+                routes = await self._third_party_gate(conn, state, actor.member_id, routes)
+                already = await deliveries.message_recipients(conn, state.scope_id, command.message_id)
+                routes = [dataclasses.replace(r, reason="mention", reasons=("mention",))
+                          for r in routes if r.member_id not in already]
+            if routes:
+                outcome.deliveries = await deliveries.write_routes(
+                    conn, state.workspace_id, state.scope_id,
+                    [deliveries.RouteSet(tuple(routes), message_id=command.message_id, revision=row["revision"])],
+                    actor.execution_generation)
+        return outcome
+
+    async def _plan_edit(self, conn: asyncpg.Connection, state: ScopeContext, actor: ActorContext,
+                         message_type: str, content: str) -> MessagePlan | None:
+        """The live mentions of an edited text, decided as a send's would be (None: none count)."""
+        intent = MessageIntent(scope_id=state.scope_id, content=content, message_type=message_type)
+        try:
+            handles = sorted(set(mention_handles(intent)))
+        except TooManyRoutingTokens:
+            raise Refused("invalid", "too many mentions", "too_many_mentions") from None
+        candidates = await messages.mention_candidates(conn, state.workspace_id, handles) if handles else {}
+        now = await messages.transaction_time(conn) if self._private_readers_here() else None
+        try:
+            return plan_message(intent, actor, state, candidates, self.parent, self.authority, now)
+        except PlanRefused:
+            return None
 
     async def _withdraw(self, conn: asyncpg.Connection, state: ScopeContext, command: Withdraw) -> Outcome:
         actor = command.actor
         row = await applier.withdraw_message(conn, state.scope_id, command.message_id, actor.member_id,
                                              actor.execution_generation)
+        if state.type == "task":
+            self._roster_dirty = True  # a withdrawn message no longer makes its author a participant
         if row["author_member_id"] != actor.member_id:
             raise Refused("forbidden", "only the author withdraws a message", "not_author")
         return Outcome(row)
 
     async def _react(self, conn: asyncpg.Connection, state: ScopeContext, command: React) -> Outcome:
         actor = command.actor
+        if state.type == "task" and state.status != "active":
+            raise Refused("conflict", "the strand is archived", "scope_archived")  # SPEC §5 decision 11
         changed, message, activity_event_id = await applier.set_reaction(
             conn, state.workspace_id, state.scope_id, command.message_id, actor.member_id, command.key, command.add)
         # Bound by the message: a private agent hears of reactions only on what it reads.
@@ -748,7 +1011,15 @@ class ScopeActor:
                                {"message_id": command.message_id, "key": command.key, "member_id": actor.member_id},
                                audience=audience)
         outcome = Outcome({"changed": changed}, [event] if changed else [])
-        if changed and command.add:
+        if changed and state.type == "task" and self.strand is not None:
+            # In a strand a reaction (added or removed) notifies only its `all` watchers (§9.8.6).
+            routes = tuple(self._all_watchers(state, actor.member_id))
+            if routes:
+                await deliveries.write_routes(conn, state.workspace_id, state.scope_id, [deliveries.RouteSet(
+                    routes, message_id=command.message_id, activity_event_id=activity_event_id)],
+                    actor.execution_generation)
+                outcome.wakes_worker = True
+        elif changed and command.add:
             author = state.roster.get(message["author_member_id"])
             private = author is not None and author.visibility == "private"
             now = await messages.transaction_time(conn) if private else None
@@ -763,6 +1034,8 @@ class ScopeActor:
 
     async def _mark_read(self, conn: asyncpg.Connection, state: ScopeContext, command: MarkRead) -> Outcome:
         actor = command.actor
+        if state.type == "task":
+            await self.open_participants(conn, state, [actor.member_id])
         if command.unread:
             value = await applier.mark_unread(conn, state.workspace_id, state.scope_id, actor.member_id, command.seq)
         else:
@@ -860,9 +1133,13 @@ class ScopeActor:
 
 
 def _refuse_fixed_audience(state: ScopeContext) -> None:
-    """A service account's roster is its audience reconciler's alone (service-account §3.1)."""
+    """A service account's roster is its audience reconciler's alone (service-account §3.1); a
+    strand's readers are its board channel's members (collaborator-policy §4.2.1)."""
     if state.type == "service_account":
         raise Refused("forbidden", "a service account's audience is every active human", "fixed_audience")
+    if state.type == "task":
+        raise Refused("forbidden", "a strand's readers are its board channel's members; archive it with "
+                      "strand.archive", "task_readers_from_board")
 
 
 def _membership_changed(workspace_id: str, scope_id: str, mutation: MembershipMutation, generation: int,
@@ -878,6 +1155,26 @@ def _membership_changed(workspace_id: str, scope_id: str, mutation: MembershipMu
     if reason is not None:
         data["reason"] = reason
     return CommittedEvent("membership.changed", workspace_id, scope_id, None, None, data)
+
+
+# Client-written message types: an edit of one re-reads its live mentions.
+_MENTIONING_TYPES = frozenset({"text", "markdown"})
+
+# The reasons the third-party mention gate governs.
+_MENTION_REASONS = frozenset({"mention", "recipient", "audience_mention"})
+
+
+def _merge_routes(first: list[Route], more: list[Route]) -> list[Route]:
+    """One route per member: the first reason stays `reason`, every reason is listed."""
+    by_member = {r.member_id: r for r in first}
+    for route in more:
+        known = by_member.get(route.member_id)
+        if known is None:
+            by_member[route.member_id] = route
+        else:
+            reasons = tuple(dict.fromkeys((*(known.reasons or (known.reason,)), *route.reasons)))
+            by_member[route.member_id] = dataclasses.replace(known, reasons=reasons)
+    return list(by_member.values())
 
 
 class MessageAudience:

@@ -155,6 +155,9 @@ class MessagePlan:
     # Who this message wakes by mention or explicit recipient (auto-wake is added at commit,
     # when the message's seq decides what a private agent reads).
     routes: tuple[Route, ...] = ()
+    # Audience mentions (strand-message §9.4.3) as (token, audience): authorized and expanded
+    # by the scope actor at commit, never into a stored recipient list.
+    audience_mentions: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)

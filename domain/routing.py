@@ -15,6 +15,9 @@ RECIPIENT = "recipient"
 AUTO_WAKE = "auto_wake"
 REACTION = "reaction"
 DIRECT = "direct"  # a message in a DM is addressed to the DM's other member
+WATCH = "watch"  # a strand watcher (effective level all / participating, strand-message §8)
+ASSIGNMENT = "assignment"  # assigned to a strand (§7.1)
+AUDIENCE_MENTION = "audience_mention"  # an authorized @all / @here ... (§9.4.3)
 
 # Notification states (scope-model.md §2.3, §3.4) and what they do to routing.
 SILENCED_STATES = frozenset({"mute", "no-wake"})  # no delivery at all
@@ -28,6 +31,8 @@ class Route:
     # Why the author may wake this member: owner | grant | collaborator | same_owner_agent | member.
     authority: str | None
     push: bool
+    # Every reason that picked the member for this message, `reason` first (§9.4.2: one delivery).
+    reasons: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,7 @@ class RoutedDelivery:
     push: bool
     outbox_id: str
     created_at: datetime
+    reasons: tuple[str, ...] = ()
 
 
 def message_dedupe_key(message_id: str, member_id: str) -> str:

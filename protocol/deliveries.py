@@ -18,7 +18,8 @@ import msgspec
 from protocol.frames import MessageInfo, Ok, Request, WorkspaceRequest
 
 DeliverySeq = Annotated[int, msgspec.Meta(ge=1, le=2**53)]
-DeliveryReason = Literal["mention", "recipient", "direct", "auto_wake", "reaction"]
+DeliveryReason = Literal["mention", "recipient", "direct", "auto_wake", "reaction", "watch", "assignment",
+                         "audience_mention"]
 DeliveryStatus = Literal["pending", "leased", "acked", "suppressed", "expired", "failed"]
 
 
@@ -85,6 +86,9 @@ class DeliveryInfo(msgspec.Struct, omit_defaults=True):
     activity: ActivityInfo | None = None
     lease_expires_at_ms: int | None = None
     suppression_reason: str | None = None
+    # Every reason that picked you for this message, merged into this one delivery
+    # (strand-message §9.4.2), `reason` first: e.g. ["mention", "watch"].
+    reasons: list[DeliveryReason] = []
 
 
 class DeliverySubscribed(msgspec.Struct):

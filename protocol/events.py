@@ -15,7 +15,7 @@ from typing import Literal
 
 import msgspec
 
-from protocol import collaboration, deliveries, platform, service_accounts
+from protocol import collaboration, deliveries, platform, service_accounts, strands
 from protocol import frames as f
 
 
@@ -98,6 +98,7 @@ EVENTS: dict[str, type[msgspec.Struct]] = {
     **deliveries.EVENTS,
     **service_accounts.EVENTS,
     **platform.EVENTS,
+    **strands.EVENTS,
 }
 MESSAGE_EVENTS = frozenset(name for name, payload in EVENTS.items() if payload is f.MessageInfo)
 

@@ -654,9 +654,9 @@ CLOSE_UNAVAILABLE = 1011      # the server could not deliver (e.g. database down
 # is defined by then, so the import is not circular) and is appended here.
 from protocol import (  # noqa: E402
     collaboration as _collaboration, deliveries as _deliveries, platform as _platform,
-    private_agents as _private_agents, service_accounts as _service_accounts)
+    private_agents as _private_agents, service_accounts as _service_accounts, strands as _strands)
 
 CLIENT_FRAMES += (*_collaboration.FRAMES, *_private_agents.FRAMES, *_deliveries.FRAMES, *_service_accounts.FRAMES,
-                  *_platform.FRAMES)
+                  *_platform.FRAMES, *_strands.FRAMES)
 ClientFrame = Union[CLIENT_FRAMES]  # type: ignore[valid-type]
 KNOWN_OPS = frozenset(frame.__struct_config__.tag for frame in CLIENT_FRAMES)

@@ -140,6 +140,7 @@ class ExplainWindow(msgspec.Struct, omit_defaults=True):
 class VisibilityExplainResult(msgspec.Struct, omit_defaults=True):
     """`reason` is the readable predicate's first matching rule (`membership`,
     `own_output`, `owner`, `same_owner_agent`, `grant`, `collaborator`,
+    `board_channel` — a strand's reader through its board's channel —,
     `source_ref`); `source_message_id` is the owner_quote that carried a
     `source_ref` message into a scope the member belongs to."""
 

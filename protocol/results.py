@@ -14,7 +14,7 @@ from typing import Literal
 
 import msgspec
 
-from protocol import collaboration, deliveries, platform, private_agents, service_accounts
+from protocol import collaboration, deliveries, platform, private_agents, service_accounts, strands
 from protocol import frames as f
 
 
@@ -115,6 +115,7 @@ RESULTS: dict[type[f.Request], type[msgspec.Struct]] = {
     **deliveries.RESULTS,
     **service_accounts.RESULTS,
     **platform.RESULTS,
+    **strands.RESULTS,
 }
 assert set(RESULTS) == set(f.CLIENT_FRAMES), "every op needs exactly one result type"
 

@@ -37,6 +37,7 @@ CLIENT_MESSAGE_TYPES = ("text", "markdown")
 RESERVED_METADATA_KEYS = frozenset({
     "mentions", "wake", "wakes", "wake_targets", "audience", "routing", "sources", "source_refs", "silent",
     "forwarded_message_ids", "quoted_message_ids", "recipients", "quote", "shared_by_member_id",
+    "audience_mentions",
 })
 MAX_METADATA_DEPTH = 8
 MAX_METADATA_BYTES = 16_384
@@ -79,8 +80,15 @@ def _check_metadata(request: Any, metadata: dict[str, Any]) -> None:
         if key in RESERVED_METADATA_KEYS:
             raise _invalid(request, f"metadata.{key}", "reserved: computed by the server "
                                                        f"(reserved keys: {', '.join(sorted(RESERVED_METADATA_KEYS))})")
+    _check_json(request, metadata, "metadata")
+
+
+def _check_json(request: Any, document: dict[str, Any], field: str) -> None:
+    """A client JSON object (metadata, a strand's fields, tracks or patch): storable as
+    jsonb — no NUL, finite numbers, safe integers — at most MAX_METADATA_DEPTH deep and
+    MAX_METADATA_BYTES long."""
     # Iterative, so no nesting can exhaust the interpreter's stack.
-    pending: list[tuple[Any, str, int]] = [(metadata, "metadata", 1)]
+    pending: list[tuple[Any, str, int]] = [(document, field, 1)]
     while pending:
         value, path, depth = pending.pop()
         if isinstance(value, dict):
@@ -107,8 +115,8 @@ def _check_metadata(request: Any, metadata: dict[str, Any]) -> None:
                 raise _invalid(request, path, "numbers must be finite")
         else:
             raise _invalid(request, path, "not a JSON value")
-    if len(msgspec.json.encode(metadata)) > MAX_METADATA_BYTES:
-        raise _invalid(request, "metadata", f"larger than {MAX_METADATA_BYTES} bytes")
+    if len(msgspec.json.encode(document)) > MAX_METADATA_BYTES:
+        raise _invalid(request, field, f"larger than {MAX_METADATA_BYTES} bytes")
 
 
 def check_request(request: Any) -> None:
@@ -118,6 +126,9 @@ def check_request(request: Any) -> None:
         if name == "metadata":
             continue
         value = getattr(request, name)
+        if isinstance(value, dict):
+            _check_json(request, value, name)
+            continue
         _check_strings(request, value, name)
         if name in NAME_FIELDS and isinstance(value, str):
             problem = name_text_problem(value)

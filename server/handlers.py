@@ -16,7 +16,7 @@ from protocol import frames as f
 from protocol import results
 from protocol.errors import ErrorCode, ProtocolError
 from server import messaging, realtime
-from server.ops import collaboration, deliveries, platform, private_agents, service_accounts
+from server.ops import collaboration, deliveries, platform, private_agents, service_accounts, strands
 from server import tenancy as ops
 from server.context import RequestContext
 
@@ -268,6 +268,7 @@ IN_WORKSPACE: dict[type, Handler] = {
     **private_agents.HANDLERS,
     **deliveries.HANDLERS,
     **service_accounts.HANDLERS,
+    **strands.HANDLERS,
 }
 # A platform operator's ops (and only these for an operator).
 PLATFORM: dict[type, Handler] = dict(platform.HANDLERS)

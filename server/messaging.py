@@ -360,6 +360,11 @@ async def thread_reply(server: Server, connection: Connection, request: f.Thread
     if parent["type"] == "service_account":
         raise ProtocolError(ErrorCode.FORBIDDEN, "a service account's timeline is read-only",
                             details={"reason": "read_only_scope"})
+    if parent["type"] == "task":
+        # A strand's discussion is one timeline whose readers are the board channel's:
+        # reply with reply_to_message_id (a thread would need a roster of its own).
+        raise ProtocolError(ErrorCode.FORBIDDEN, "a task's discussion has no threads: reply in it",
+                            details={"reason": "task_discussion_is_flat"})
     thread_id = root["thread_scope_id"]
     if thread_id is None:
         thread_id = await _open_thread(server, workspace, parent["id"], root)

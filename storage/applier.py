@@ -48,6 +48,19 @@ async def _open_membership(conn: asyncpg.Connection, workspace_id: str, scope_id
     )
 
 
+async def open_participant_rows(conn: asyncpg.Connection, workspace_id: str, scope_id: str,
+                                member_ids: list[str]) -> None:
+    """A task's state-only memberships (read cursor, Inbox), created lazily after the
+    member was authorized by the task authority; they grant nothing.  A reader of the
+    board channel could always read the strand, so nothing of it counts as read yet."""
+    if member_ids:
+        await conn.execute(
+            "INSERT INTO scope_memberships (id, workspace_id, scope_id, member_id, visibility, last_read_seq, "
+            "effective_from_seq) SELECT i, $1, $2, m, 'participant', 0, 1 "
+            "FROM unnest($3::text[], $4::text[]) AS u(m, i) ON CONFLICT DO NOTHING",
+            workspace_id, scope_id, member_ids, [new_id("smb") for _ in member_ids])
+
+
 async def create_scope(conn: asyncpg.Connection, *, workspace_id: str, type: str, created_by: str | None,
                        members: list[tuple[str, str, str | None]], scope_id: str | None = None) -> str:
     """A scope and its initial memberships [(member_id, visibility, owner_member_id)]
@@ -108,6 +121,14 @@ async def archive_scope(conn: asyncpg.Connection, scope_id: str) -> None:
         "updated_at = now(), roster_generation = roster_generation + 1 WHERE id = $1",
         scope_id,
     )
+
+
+async def set_task_scope_status(conn: asyncpg.Connection, scope_id: str, status: str) -> None:
+    """A strand's archive or restore: its task scope refuses writes while archived."""
+    await conn.execute(
+        "UPDATE scopes SET status = $2, archived_at = CASE WHEN $2 = 'archived' THEN now() END, "
+        "archived_until_seq = CASE WHEN $2 = 'archived' THEN latest_seq END, updated_at = now(), "
+        "roster_generation = roster_generation + 1 WHERE id = $1 AND type = 'task'", scope_id, status)
 
 
 # --- memberships -------------------------------------------------------------------------
@@ -241,6 +262,10 @@ def _metadata_for(plan: MessagePlan) -> dict[str, Any]:
         metadata["mentions"] = list(plan.live_mentions)
     if plan.recipients:
         metadata["recipients"] = list(plan.recipients)
+    if plan.audience_mentions:
+        # The nodes only (§9.4.3): who they reach is decided at commit and never stored.
+        metadata["audience_mentions"] = [{"audience": audience, "mention_text_original": f"@{token}"}
+                                         for token, audience in plan.audience_mentions]
     if plan.intent.silent:
         metadata["silent"] = True
     return metadata
@@ -420,6 +445,14 @@ async def set_reaction(conn: asyncpg.Connection, workspace_id: str, scope_id: st
             conn, workspace_id, scope_id, "reaction.added" if add else "reaction.removed", "message", message_id,
             message_id, member_id, {"key": key})
     return changed, message, activity_event_id
+
+
+async def assignment_activity(conn: asyncpg.Connection, workspace_id: str, scope_id: str, assignment_id: str,
+                              actor_member_id: str, assignee: str) -> str:
+    """The activity an assignment is (strand-message §7.1): what the assignee's delivery carries."""
+    return await _activity_event(conn, workspace_id, scope_id, "strand.assigned", "strand_assignment",
+                                 assignment_id, None, actor_member_id,
+                                 {"assignment_id": assignment_id, "strand_id": scope_id, "member_id": assignee})
 
 
 async def _activity_event(conn: asyncpg.Connection, workspace_id: str, scope_id: str, activity_type: str,

@@ -36,6 +36,7 @@ class RouteSet:
     routes: tuple[Route, ...]
     message_id: str | None = None             # the message (for a reaction: the message reacted to)
     activity_event_id: str | None = None      # set for a non-message activity
+    revision: int | None = None               # an edit's newly mentioned members (one outbox row per revision)
 
 
 async def write_routes(conn: asyncpg.Connection, workspace_id: str, scope_id: str, sets: Sequence[RouteSet],
@@ -71,28 +72,30 @@ async def write_routes(conn: asyncpg.Connection, workspace_id: str, scope_id: st
             next_seq[route.member_id] += 1
             key = (activity_dedupe_key(activity, route.member_id) if activity
                    else message_dedupe_key(route_set.message_id, route.member_id))
+            reasons = list(route.reasons) or [route.reason]
             delivery_rows.append((new_id("dlv"), route.member_id, seq, outbox_id, route_set.message_id, activity,
-                                  route.reason, route.authority, key, route.push))
-            recipients.append([route.member_id, route.reason, route.authority, seq, route.push])
+                                  route.reason, route.authority, key, route.push, "{" + ",".join(reasons) + "}"))
+            recipients.append([route.member_id, route.reason, route.authority, seq, route.push, reasons])
         payload = {"recipients": recipients}
         outbox_rows.append((outbox_id, route_set.message_id, ref_type, ref_id, policy.value,
-                            f"routed:{ref_id}", json.dumps(payload),
+                            f"routed:{ref_id}" + (f":r{route_set.revision}" if route_set.revision else ""),
+                            json.dumps(payload),
                             0 if activity else applier.INLINE_GRACE_SECONDS))
     await applier.insert_routed_outbox(conn, workspace_id, scope_id, ROUTED_FANOUT, generation, outbox_rows)
     columns = [list(c) for c in zip(*delivery_rows)]
     created = await conn.fetch(
         "INSERT INTO scope_targeted_deliveries (id, workspace_id, recipient_member_id, delivery_seq, outbox_id, "
-        "scope_id, message_id, activity_event_id, reason, authority, dedupe_key, push) "
-        "SELECT i, $1, r, s, o, $2, m, a, re, au, dk, p FROM unnest($3::text[], $4::text[], $5::bigint[], "
-        "$6::text[], $7::text[], $8::text[], $9::text[], $10::text[], $11::text[], $12::bool[]) "
-        "AS t(i, r, s, o, m, a, re, au, dk, p) RETURNING created_at",
+        "scope_id, message_id, activity_event_id, reason, authority, dedupe_key, push, reasons) "
+        "SELECT i, $1, r, s, o, $2, m, a, re, au, dk, p, rs::text[] FROM unnest($3::text[], $4::text[], $5::bigint[], "
+        "$6::text[], $7::text[], $8::text[], $9::text[], $10::text[], $11::text[], $12::bool[], $13::text[]) "
+        "AS t(i, r, s, o, m, a, re, au, dk, p, rs) RETURNING created_at",
         workspace_id, scope_id, *columns,
     )
     created_at = created[0]["created_at"]
     return [RoutedDelivery(id=row[0], workspace_id=workspace_id, recipient_member_id=row[1], delivery_seq=row[2],
                            scope_id=scope_id, message_id=row[4], activity_event_id=row[5], reason=row[6],
                            authority=row[7], dedupe_key=row[8], push=row[9], outbox_id=row[3],
-                           created_at=created_at)
+                           created_at=created_at, reasons=tuple(row[10].strip("{}").split(",")))
             for row in delivery_rows]
 
 
@@ -102,7 +105,8 @@ def routed_from_row(row: asyncpg.Record) -> RoutedDelivery:
                           scope_id=row["scope_id"], message_id=row["message_id"],
                           activity_event_id=row["activity_event_id"], reason=row["reason"],
                           authority=row["authority"], dedupe_key=row["dedupe_key"], push=row["push"],
-                          outbox_id=row["outbox_id"], created_at=row["created_at"])
+                          outbox_id=row["outbox_id"], created_at=row["created_at"],
+                          reasons=tuple(row["reasons"] or ()))
 
 
 # --- handout, ack, release -------------------------------------------------------------------------
@@ -176,6 +180,13 @@ async def free_unacked(conn: asyncpg.Connection, feeds: list[tuple[str, str, int
         " ORDER BY delivery_seq LIMIT f.n) d",
         [w for w, _, _ in feeds], [m for _, m, _ in feeds], [n for _, _, n in feeds], now,
     )
+
+
+async def message_recipients(conn: asyncpg.Connection, scope_id: str, message_id: str) -> set[str]:
+    """Members who already have this message's delivery (its dedupe key is per member and message)."""
+    return {r["recipient_member_id"] for r in await conn.fetch(
+        "SELECT recipient_member_id FROM scope_targeted_deliveries WHERE scope_id = $1 AND message_id = $2 "
+        "AND activity_event_id IS NULL", scope_id, message_id)}
 
 
 async def messages_by_id(conn: asyncpg.Connection, message_ids: list[str]) -> dict[str, asyncpg.Record]:

@@ -64,6 +64,10 @@ PREFIXES = frozenset(
         "pml",  # platform moderation log entry
         "pae",  # platform audit event
         "nod",  # a server process (node)
+        "tbd",  # task board
+        "asg",  # strand assignment (assigned_to relation)
+        "sau",  # strand audit event
+        "amg",  # audience-mention (broadcast) grant
     }
 )
 

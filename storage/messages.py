@@ -11,13 +11,14 @@ import json
 import logging
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 import asyncpg
 
 from domain.authority import ScopeAuthority
 from domain.plan import CommittedMessage, MentionCandidate, ScopeContext
-from storage import visibility
-from storage.visibility import ENTITLED_MEMBERSHIPS, message_visibility_sql, readable_join, scope_readable_sql
+from storage import strands, visibility
+from storage.visibility import INBOX_MEMBERSHIPS, message_visibility_sql, readable_join, scope_readable_sql
 from storage.errors import NotFound
 
 log = logging.getLogger("scopewire.storage")
@@ -50,21 +51,30 @@ class ActorView:
     state: ScopeContext | None
     parent: ScopeContext | None
     authority: ScopeAuthority
+    # A task scope's strand as its actor routes by it (watches, assignees, participants).
+    strand: Any = None
 
 
 async def load_actor_view(conn: asyncpg.Connection, scope_id: str, state: ScopeContext | None = None) -> ActorView:
     """The actor's view; with `state`, only the parent and the authority are read again."""
-    if state is None:
+    if state is None or state.type == "task":
+        # A task's roster is its board channel's readers: it moves with the parent.
         state = await load_scope_context(conn, scope_id)
     if state is None:
         return ActorView(None, None, ScopeAuthority())
     parent = None
-    if state.type == "thread" and state.parent_scope_id is not None:
+    if state.type in ("thread", "task") and state.parent_scope_id is not None:
         parent = await load_scope_context(conn, state.parent_scope_id)
     chain = [state.scope_id] + ([parent.scope_id] if parent is not None else [])
     owners = sorted({e.owner_member_id for context in (state, parent) if context is not None
                      for e in context.roster.values() if e.visibility == "private" and e.owner_member_id})
-    return ActorView(state, parent, await visibility.scope_authority(conn, chain, owners))
+    strand = None
+    if state.type == "task":
+        strand = await strands.load_strand_state(conn, scope_id)
+        if strand is None or strand.row["state"] != "active" or strand.row["board_status"] != "active" or (
+                parent is not None and parent.status != "active"):
+            state.status = "archived"  # an archived strand, board or channel refuses writes
+    return ActorView(state, parent, await visibility.scope_authority(conn, chain, owners), strand)
 
 
 async def roster_generation(conn: asyncpg.Connection, scope_id: str) -> int | None:
@@ -360,7 +370,7 @@ async def inbox(conn: asyncpg.Connection, workspace_id: str, viewer: str, *, aft
                    sm.last_read_seq, sm.visibility AS membership_visibility,
                    coalesce(n.state, 'active') AS notification_state,
                    p.display_name, p.slug
-            FROM {ENTITLED_MEMBERSHIPS} sm
+            FROM {INBOX_MEMBERSHIPS} sm
             JOIN scopes s ON s.id = sm.scope_id
             LEFT JOIN scope_channel_profiles p ON p.scope_id = s.id
             LEFT JOIN conversation_member_states c
@@ -378,14 +388,14 @@ async def inbox(conn: asyncpg.Connection, workspace_id: str, viewer: str, *, aft
                last.state AS last_state,
                (SELECT count(*) FROM (SELECT 1 FROM scope_messages u WHERE u.scope_id = conv.scope_id
                  AND u.seq > conv.last_read_seq AND u.notify_principal_member_id <> $2 AND u.state = 'visible'
-                 AND (conv.membership_visibility = 'public' OR {message_visibility_sql('u', '$2')} IS NOT NULL)
+                 AND (conv.membership_visibility <> 'private' OR {message_visibility_sql('u', '$2')} IS NOT NULL)
                  LIMIT {UNREAD_CAP}) capped) AS unread_count
         FROM conv
         -- The latest message the viewer reads (a private agent: among the last
         -- {PREVIEW_SCAN} messages, so a preview never costs a scan of the scope).
         LEFT JOIN LATERAL (SELECT l.id, l.author_member_id, l.state, l.content FROM scope_messages l
                             WHERE l.scope_id = conv.scope_id AND l.seq > conv.latest_seq - {PREVIEW_SCAN}
-                              AND (conv.membership_visibility = 'public'
+                              AND (conv.membership_visibility <> 'private'
                                    OR {message_visibility_sql('l', '$2')} IS NOT NULL)
                             ORDER BY l.seq DESC LIMIT 1) last ON true
         WHERE $3::int IS NULL OR (conv.pinned, extract(epoch FROM conv.activity_at)::float8, conv.scope_id)

@@ -440,7 +440,10 @@ scope_memberships = Table(
     primary_key=("id",),
     checks=(
         id_check("scope_memberships", "id", "smb"),
-        enum_check("scope_memberships", "visibility", ("public", "private")),
+        Check("scope_memberships_visibility_valid", "visibility IN ('public', 'private')", until=6),
+        # 'participant': a task scope's state-only row (read cursor, Inbox), which grants
+        # nothing: a task's readers are its board channel's members (collaborator-policy §4.2.1).
+        Check("scope_memberships_visibility_known", "visibility IN ('public', 'private', 'participant')", since=6),
         Check("scope_memberships_private_owner", "(visibility = 'private') = (owner_member_id IS NOT NULL)"),
         Check("scope_memberships_interval",
               "effective_from_seq >= 1 AND (effective_to_seq IS NULL OR effective_to_seq >= effective_from_seq - 1)"),
@@ -988,6 +991,8 @@ member_delivery_feeds = introduced_in(3, Table(
 
 DELIVERY_STATUSES = ("pending", "leased", "acked", "suppressed", "expired", "failed")
 DELIVERY_REASONS = ("mention", "recipient", "direct", "auto_wake", "reaction")
+# Version 6 (strands): a watcher's notification, an assignment, an audience mention.
+STRAND_DELIVERY_REASONS = ("watch", "assignment", "audience_mention")
 
 # The sparse delivery ledger (collaborator-policy §5): one row per recipient of a
 # wake only — mentions, explicit recipients, auto-wake, reactions — never per
@@ -1019,6 +1024,9 @@ scope_targeted_deliveries = introduced_in(3, Table(
         Column("acked_at", TS, nullable=True),
         Column("suppressed_at", TS, nullable=True),
         Column("suppression_reason", "text", nullable=True),
+        # Every reason that picked this member for this message, merged into the one
+        # delivery (strand-message §9.4.2): `reason` is the first of them.
+        Column("reasons", "text[]", default="'{}'::text[]", since=6),
     ),
     primary_key=("id",),
     uniques=(
@@ -1028,7 +1036,11 @@ scope_targeted_deliveries = introduced_in(3, Table(
     checks=(
         id_check("scope_targeted_deliveries", "id", "dlv"),
         enum_check("scope_targeted_deliveries", "status", DELIVERY_STATUSES),
-        enum_check("scope_targeted_deliveries", "reason", DELIVERY_REASONS),
+        Check("scope_targeted_deliveries_reason_valid",
+              "reason IN (" + ", ".join(f"'{r}'" for r in DELIVERY_REASONS) + ")", until=6),
+        Check("scope_targeted_deliveries_reason_known",
+              "reason IN (" + ", ".join(f"'{r}'" for r in DELIVERY_REASONS + STRAND_DELIVERY_REASONS) + ")"
+              " AND (cardinality(reasons) = 0 OR reasons[1] = reason)", since=6),
         Check("scope_targeted_deliveries_seq_positive", "delivery_seq >= 1"),
         Check("scope_targeted_deliveries_source", "message_id IS NOT NULL OR activity_event_id IS NOT NULL"),
         Check("scope_targeted_deliveries_attempts", "attempts >= 0 AND lease_expiries >= 0 AND max_attempts >= 1"),
@@ -1989,6 +2001,341 @@ platform_service_account_audit_events = introduced_in(5, Table(
     ),
 ))
 
+# --- strands (strand-message.md §2-§9; collaborator-policy §4.2.1): boards, task scopes' strand rows,
+# --- assignments, watches, the default strand, audience-mention policy and grants, agent participation.
+
+STRAND_STAGES = ("draft", "proposed", "planned", "in_progress", "blocked", "done", "cancelled", "superseded")
+WATCH_LEVELS = ("mentions_only", "participating", "all", "muted")
+AUDIENCE_KINDS = ("effective_scope_members", "strand_participants", "strand_watchers", "strand_engaged",
+                  "assigned_actors")
+
+# A board bound to one channel: the authority of every task on it (§4.2.1).
+task_boards = introduced_in(6, Table(
+    "task_boards",
+    columns=(
+        Column("id", "text"),
+        Column("workspace_id", "text"),
+        Column("channel_id", "text"),
+        Column("scope_type", "text", default="'channel'"),
+        Column("name", "text"),
+        Column("status", "text", default="'active'"),
+        Column("created_by_member_id", "text"),
+        *timestamps(),
+        Column("archived_at", TS, nullable=True),
+    ),
+    primary_key=("id",),
+    uniques=(
+        Unique("task_boards_workspace_id_key", ("workspace_id", "id")),
+        Unique("task_boards_workspace_channel_id_key", ("workspace_id", "channel_id", "id")),
+    ),
+    checks=(
+        id_check("task_boards", "id", "tbd"),
+        Check("task_boards_scope_type_channel", "scope_type = 'channel'"),
+        Check("task_boards_name_length", "char_length(name) BETWEEN 1 AND 200"),
+        enum_check("task_boards", "status", ("active", "archived")),
+        Check("task_boards_archived_state", "(status = 'archived') = (archived_at IS NOT NULL)"),
+    ),
+    foreign_keys=(
+        tenant_fk("task_boards", ("workspace_id", "channel_id", "scope_type"), "scopes", ("workspace_id", "id", "type"),
+                  "channel"),
+        member_fk("task_boards", "created_by_member_id"),
+    ),
+    indexes=(Index("task_boards_channel_idx", "channel_id, status"),
+             Index("task_boards_channel_name_key", "channel_id, lower(name)", unique=True)),
+))
+
+# A task scope's strand (§3): id = the task scope's id.  `channel_id` is the board's
+# channel, denormalized as the seed's tasks.channel_id: a mismatch with the board
+# reads as no access (fail closed), never as the other channel's.
+strands = introduced_in(6, Table(
+    "strands",
+    columns=(
+        Column("scope_id", "text"),
+        Column("workspace_id", "text"),
+        Column("scope_type", "text", default="'task'"),
+        Column("board_id", "text"),
+        Column("channel_id", "text"),
+        Column("title", "text"),
+        Column("summary", "text", nullable=True),
+        Column("fields", "jsonb", default="'{}'::jsonb"),
+        Column("content", "text", default="''"),
+        Column("tracks", "jsonb"),
+        Column("synthesis_content", "text", nullable=True),
+        Column("synthesis_revision", "integer", default="0"),
+        Column("state", "text", default="'active'"),
+        Column("state_changed_at", TS, nullable=True),
+        Column("stage", "text", nullable=True),
+        Column("stage_changed_at", TS, nullable=True),
+        # The governance ceiling on agents here (§3 agent_participation); NULL inherits.
+        Column("accept_third_party_mention", "boolean", nullable=True),
+        Column("version", "integer", default="1"),
+        Column("client_strand_id", "text", nullable=True),
+        Column("created_by_member_id", "text"),
+        Column("updated_by_member_id", "text", nullable=True),
+        *timestamps(),
+    ),
+    primary_key=("scope_id",),
+    uniques=(
+        Unique("strands_workspace_id_key", ("workspace_id", "scope_id")),
+        Unique("strands_client_id_key", ("workspace_id", "created_by_member_id", "client_strand_id")),
+    ),
+    checks=(
+        Check("strands_scope_type_task", "scope_type = 'task'"),
+        Check("strands_title_length", "char_length(title) BETWEEN 1 AND 512"),
+        Check("strands_summary_length", "summary IS NULL OR char_length(summary) <= 2048"),
+        Check("strands_content_length", "char_length(content) <= 40000"),
+        Check("strands_synthesis_length", "synthesis_content IS NULL OR char_length(synthesis_content) <= 40000"),
+        Check("strands_fields_object", "jsonb_typeof(fields) = 'object'"),
+        Check("strands_tracks_object", "jsonb_typeof(tracks) = 'object' AND tracks <> '{}'::jsonb"),
+        enum_check("strands", "state", ("active", "archived")),
+        Check("strands_state_changed", "state = 'active' OR state_changed_at IS NOT NULL"),
+        Check("strands_stage_valid", "stage IS NULL OR stage IN (" + ", ".join(f"'{v}'" for v in STRAND_STAGES) + ")"),
+        Check("strands_stage_changed", "(stage IS NULL) = (stage_changed_at IS NULL)"),
+        Check("strands_counters", "version >= 1 AND synthesis_revision >= 0"),
+        Check("strands_client_strand_id_length", "char_length(client_strand_id) BETWEEN 1 AND 128"),
+    ),
+    foreign_keys=(
+        tenant_fk("strands", ("workspace_id", "scope_id", "scope_type"), "scopes", ("workspace_id", "id", "type"),
+                  "scope"),
+        tenant_fk("strands", ("workspace_id", "channel_id", "board_id"), "task_boards",
+                  ("workspace_id", "channel_id", "id"), "board"),
+        member_fk("strands", "created_by_member_id"),
+        member_fk("strands", "updated_by_member_id"),
+    ),
+    indexes=(Index("strands_board_idx", "board_id, state, updated_at"),),
+))
+
+# Every synthesis revision is kept (§4.2); the strand row holds the canonical one.
+strand_synthesis_revisions = introduced_in(6, Table(
+    "strand_synthesis_revisions",
+    columns=(
+        Column("scope_id", "text"),
+        Column("revision", "integer"),
+        Column("workspace_id", "text"),
+        Column("content", "text"),
+        Column("edited_by_member_id", "text"),
+        Column("created_at", TS, default=NOW),
+    ),
+    primary_key=("scope_id", "revision"),
+    checks=(Check("strand_synthesis_revisions_revision_positive", "revision >= 1"),
+            Check("strand_synthesis_revisions_content_length", "char_length(content) <= 40000")),
+    foreign_keys=(
+        tenant_fk("strand_synthesis_revisions", ("workspace_id", "scope_id"), "strands", ("workspace_id", "scope_id"),
+                  "strand"),
+        member_fk("strand_synthesis_revisions", "edited_by_member_id"),
+    ),
+))
+
+# strand --assigned_to--> member (§7.1): a relation, tombstoned to unassign; never a strand field.
+strand_assignments = introduced_in(6, Table(
+    "strand_assignments",
+    columns=(
+        Column("id", "text"),
+        Column("workspace_id", "text"),
+        Column("scope_id", "text"),
+        Column("member_id", "text"),
+        Column("state", "text", default="'active'"),
+        Column("assigned_by_member_id", "text"),
+        Column("created_at", TS, default=NOW),
+        Column("removed_by_member_id", "text", nullable=True),
+        Column("removed_at", TS, nullable=True),
+    ),
+    primary_key=("id",),
+    checks=(
+        id_check("strand_assignments", "id", "asg"),
+        enum_check("strand_assignments", "state", ("active", "tombstoned")),
+        Check("strand_assignments_tombstone_state",
+              "(state = 'tombstoned') = (removed_at IS NOT NULL AND removed_by_member_id IS NOT NULL)"),
+    ),
+    foreign_keys=(
+        tenant_fk("strand_assignments", ("workspace_id", "scope_id"), "strands", ("workspace_id", "scope_id"),
+                  "strand"),
+        member_fk("strand_assignments", "member_id"),
+        member_fk("strand_assignments", "assigned_by_member_id"),
+        member_fk("strand_assignments", "removed_by_member_id"),
+    ),
+    indexes=(
+        Index("strand_assignments_active_key", "scope_id, member_id", unique=True, where="state = 'active'"),
+        Index("strand_assignments_member_idx", "workspace_id, member_id", where="state = 'active'"),
+    ),
+))
+
+# The strand_watch typed current result (§8.3): one row per (strand, watcher) once written;
+# level NULL is a written-then-cleared value (mentions_only), distinct from never written.
+strand_watches = introduced_in(6, Table(
+    "strand_watches",
+    columns=(
+        Column("scope_id", "text"),
+        Column("watcher_member_id", "text"),
+        Column("workspace_id", "text"),
+        Column("level", "text", nullable=True),
+        Column("level_public", "boolean", nullable=True),
+        Column("revision", "integer", default="1"),
+        Column("written_by_member_id", "text"),
+        *timestamps(),
+    ),
+    primary_key=("scope_id", "watcher_member_id"),
+    checks=(
+        Check("strand_watches_level_valid",
+              "level IS NULL OR level IN (" + ", ".join(f"'{v}'" for v in WATCH_LEVELS) + ")"),
+        Check("strand_watches_public_needs_level", "level IS NOT NULL OR level_public IS NULL"),
+        Check("strand_watches_revision_positive", "revision >= 1"),
+    ),
+    foreign_keys=(
+        tenant_fk("strand_watches", ("workspace_id", "scope_id"), "strands", ("workspace_id", "scope_id"), "strand"),
+        member_fk("strand_watches", "watcher_member_id"),
+        member_fk("strand_watches", "written_by_member_id"),
+    ),
+    indexes=(Index("strand_watches_member_idx", "workspace_id, watcher_member_id"),),
+))
+
+# Who changed what on a strand: stage, tracks, lifecycle, assignments, another's watch
+# (watch_set_others, §8.4) and full watch reads (watch_audit_read, §8.5).
+strand_audit_events = introduced_in(6, Table(
+    "strand_audit_events",
+    columns=(
+        Column("id", "text"),
+        Column("workspace_id", "text"),
+        Column("scope_id", "text"),
+        Column("actor_member_id", "text"),
+        Column("action", "text"),
+        Column("target_member_id", "text", nullable=True),
+        Column("details", "jsonb", default="'{}'::jsonb"),
+        Column("created_at", TS, default=NOW),
+    ),
+    primary_key=("id",),
+    checks=(
+        id_check("strand_audit_events", "id", "sau"),
+        enum_check("strand_audit_events", "action",
+                   ("create", "update", "tracks_update", "stage_set", "archive", "restore", "assign", "unassign",
+                    "watch_set_others", "watch_audit_read", "default_set")),
+        Check("strand_audit_events_details_object", "jsonb_typeof(details) = 'object'"),
+    ),
+    foreign_keys=(
+        tenant_fk("strand_audit_events", ("workspace_id", "scope_id"), "strands", ("workspace_id", "scope_id"),
+                  "strand"),
+        member_fk("strand_audit_events", "actor_member_id"),
+        member_fk("strand_audit_events", "target_member_id"),
+    ),
+    indexes=(Index("strand_audit_events_strand_idx", "scope_id, created_at"),),
+))
+
+# The workspace's default discussion strand (§2.1): one pointer, whole-value compare-and-set.
+workspace_default_strands = introduced_in(6, Table(
+    "workspace_default_strands",
+    columns=(
+        Column("workspace_id", "text"),
+        Column("default_strand_id", "text", nullable=True),
+        Column("revision", "integer", default="1"),
+        Column("updated_by_member_id", "text"),
+        Column("updated_at", TS, default=NOW),
+    ),
+    primary_key=("workspace_id",),
+    checks=(Check("workspace_default_strands_revision_positive", "revision >= 1"),),
+    foreign_keys=(
+        ForeignKey("workspace_default_strands_workspace_fkey", ("workspace_id",), "workspaces", ("id",)),
+        tenant_fk("workspace_default_strands", ("workspace_id", "default_strand_id"), "strands",
+                  ("workspace_id", "scope_id"), "strand"),
+        member_fk("workspace_default_strands", "updated_by_member_id"),
+    ),
+))
+
+# The workspace's declared audience-mention policy (§9.4.4), per audience; no row = disabled.
+audience_mention_policies = introduced_in(6, Table(
+    "audience_mention_policies",
+    columns=(
+        Column("workspace_id", "text"),
+        Column("audience", "text"),
+        Column("max_recipients", "integer"),
+        Column("updated_by_member_id", "text"),
+        Column("updated_at", TS, default=NOW),
+    ),
+    primary_key=("workspace_id", "audience"),
+    checks=(
+        enum_check("audience_mention_policies", "audience", AUDIENCE_KINDS),
+        Check("audience_mention_policies_max_recipients", "max_recipients BETWEEN 1 AND 100000"),
+    ),
+    foreign_keys=(
+        ForeignKey("audience_mention_policies_workspace_fkey", ("workspace_id",), "workspaces", ("id",)),
+        member_fk("audience_mention_policies", "updated_by_member_id"),
+    ),
+))
+
+# ak.message.mention.broadcast (§9.4.4): a high-risk grant, always with an expiry, a
+# channel selector (the channel, its threads and its boards' tasks) and a rate quota.
+audience_mention_grants = introduced_in(6, Table(
+    "audience_mention_grants",
+    columns=(
+        Column("id", "text"),
+        Column("workspace_id", "text"),
+        Column("member_id", "text"),
+        Column("channel_id", "text"),
+        Column("scope_type", "text", default="'channel'"),
+        Column("max_operations", "integer"),
+        Column("period_seconds", "integer"),
+        Column("granted_by_member_id", "text"),
+        Column("created_at", TS, default=NOW),
+        Column("expires_at", TS),
+        Column("revoked_at", TS, nullable=True),
+        Column("revoked_by_member_id", "text", nullable=True),
+    ),
+    primary_key=("id",),
+    checks=(
+        id_check("audience_mention_grants", "id", "amg"),
+        Check("audience_mention_grants_scope_type_channel", "scope_type = 'channel'"),
+        Check("audience_mention_grants_quota", "max_operations BETWEEN 1 AND 10000 "
+              "AND period_seconds BETWEEN 1 AND 31536000"),
+        Check("audience_mention_grants_expiry", "expires_at > created_at"),
+        Check("audience_mention_grants_revoked_state", "(revoked_at IS NULL) = (revoked_by_member_id IS NULL)"),
+    ),
+    foreign_keys=(
+        tenant_fk("audience_mention_grants", ("workspace_id", "channel_id", "scope_type"), "scopes",
+                  ("workspace_id", "id", "type"), "channel"),
+        member_fk("audience_mention_grants", "member_id"),
+        member_fk("audience_mention_grants", "granted_by_member_id"),
+        member_fk("audience_mention_grants", "revoked_by_member_id"),
+    ),
+    indexes=(Index("audience_mention_grants_member_idx", "workspace_id, member_id, channel_id",
+                   where="revoked_at IS NULL"),),
+))
+
+# One row per message that used a grant: the quota counts them in its period.
+audience_mention_uses = introduced_in(6, Table(
+    "audience_mention_uses",
+    columns=(
+        Column("grant_id", "text"),
+        Column("message_id", "text"),
+        Column("workspace_id", "text"),
+        Column("used_at", TS),
+    ),
+    primary_key=("grant_id", "message_id"),
+    foreign_keys=(
+        ForeignKey("audience_mention_uses_grant_fkey", ("grant_id",), "audience_mention_grants", ("id",)),
+        tenant_fk("audience_mention_uses", ("workspace_id", "message_id"), "scope_messages", ("workspace_id", "id"),
+                  "message"),
+    ),
+    indexes=(Index("audience_mention_uses_window_idx", "grant_id, used_at"),),
+))
+
+# An agent controller's selection (strand-message §9.4.5): may others' mentions reach the agent?
+agent_participation_selections = introduced_in(6, Table(
+    "agent_participation_selections",
+    columns=(
+        Column("workspace_id", "text"),
+        Column("agent_member_id", "text"),
+        Column("accept_third_party_mention", "boolean"),
+        Column("version", "integer", default="1"),
+        Column("updated_by_member_id", "text"),
+        Column("updated_at", TS, default=NOW),
+    ),
+    primary_key=("workspace_id", "agent_member_id"),
+    checks=(Check("agent_participation_selections_version_positive", "version >= 1"),),
+    foreign_keys=(
+        member_fk("agent_participation_selections", "agent_member_id"),
+        member_fk("agent_participation_selections", "updated_by_member_id"),
+    ),
+))
+
 SCHEMA = Schema(
     tables=(
         instance_metadata,
@@ -2047,6 +2394,17 @@ SCHEMA = Schema(
         workspace_placements,
         platform_moderation_logs,
         platform_service_account_audit_events,
+        task_boards,
+        strands,
+        strand_synthesis_revisions,
+        strand_assignments,
+        strand_watches,
+        strand_audit_events,
+        workspace_default_strands,
+        audience_mention_policies,
+        audience_mention_grants,
+        audience_mention_uses,
+        agent_participation_selections,
     ),
     versions=(
         Version(1, "tenancy kernel and message domain",
@@ -2065,6 +2423,8 @@ SCHEMA = Schema(
                    "managers, audit, human lifecycle, shared pins"),
         Version(5, "platform service accounts: operators, provisioning generations, workspace instances, "
                    "broadcasts, fenced deliveries, workspace placements, moderation log"),
+        Version(6, "strands: task boards, strand rows, assignments, watches, the default strand, "
+                   "audience-mention policy and grants, agent participation"),
     ),
     extensions=EXTENSIONS,
 )

@@ -44,6 +44,9 @@ class Check:
     name: str
     expression: str
     since: int = 1
+    # The version that dropped it (a check replaced by a wider one keeps its old
+    # definition here, so every version's DDL still comes from this one place).
+    until: int | None = None
 
     def ddl(self) -> str:
         return f"CONSTRAINT {self.name} CHECK ({self.expression})"
@@ -112,7 +115,8 @@ class Table:
     def create_ddl(self, version: int) -> str:
         lines = [c.ddl() for c in self.columns if c.since <= version]
         lines.append(f"CONSTRAINT {self.name}_pkey PRIMARY KEY ({', '.join(self.primary_key)})")
-        lines.extend(c.ddl() for c in self.constraints() if c.since <= version)
+        lines.extend(c.ddl() for c in self.constraints()
+                     if c.since <= version and (getattr(c, "until", None) is None or c.until > version))
         body = ",\n    ".join(lines)
         return f"CREATE TABLE {self.name} (\n    {body}\n)"
 
@@ -175,6 +179,11 @@ class Schema:
                 if c.since == version
             ]
             statements += [
+                f"ALTER TABLE {table.name} DROP CONSTRAINT {c.name}"
+                for c in table.checks
+                if c.until == version
+            ]
+            statements += [
                 f"ALTER TABLE {table.name} ADD {c.ddl()}"
                 for c in table.constraints()
                 if c.since == version
@@ -205,6 +214,8 @@ class Schema:
             elements = (*table.constraints(), *table.foreign_keys, *table.indexes)
             for element in (*table.columns, *elements):
                 assert table.since <= element.since <= self.latest_version, (table.name, element)
+                until = getattr(element, "until", None)
+                assert until is None or element.since < until <= self.latest_version, (table.name, element)
             for element in elements:
                 assert element.name not in names, f"duplicate name {element.name}"
                 names.add(element.name)

@@ -248,7 +248,18 @@ def server_frame_conformance(request: pytest.FixtureRequest, monkeypatch: pytest
         pytest.fail("server frames outside the protocol contract:\n  " + "\n  ".join(problems), pytrace=False)
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    """pytest-xdist: a worker's counts join the controller's, which reports the whole run."""
+    validated, server_tests = getattr(node, "workeroutput", {}).get("conformance", (0, 0))
+    CONFORMANCE.validated += validated
+    CONFORMANCE.server_tests += server_tests
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker: the controller reports
+        workeroutput["conformance"] = (CONFORMANCE.validated, CONFORMANCE.server_tests)
     # A hook that silently stopped seeing frames would prove nothing.
     if CONFORMANCE.server_tests and not CONFORMANCE.validated:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -208,7 +208,10 @@ async def test_every_event_type_is_produced_with_its_typed_payload(app: App, ten
     async with await signed_in(app, alpha.owner) as owner, await signed_in(app, bob) as b:
         channel = await open_channel(owner, alpha.workspace_id, "events", [bob.member_id, carol.member_id])
         scope = {"scope_id": channel["id"], **ws}
-        await b.call("subscribe", scopes=[{"scope_id": channel["id"]}], workspace_feed=True, **ws)
+        board = await owner.call("board.create", channel_id=channel["id"], name="Events", **ws)
+        strand = await owner.call("strand.create", board_id=board["id"], title="Events", **ws)
+        await b.call("subscribe", scopes=[{"scope_id": channel["id"]}, {"scope_id": strand["id"]}],
+                     workspace_feed=True, **ws)
         await b.call("delivery.subscribe", **ws)
         message = await owner.call("message.send", content="hello", **scope)
         await owner.call("message.send", content="for bob", recipient_member_ids=[bob.member_id], **scope)
@@ -218,6 +221,8 @@ async def test_every_event_type_is_produced_with_its_typed_payload(app: App, ten
         await owner.call("typing", **scope)
         await owner.call("presence", state="online", **ws)
         await b.call("read.mark", seq=1, **scope)
+        await owner.call("strand.stage.set", strand_id=strand["id"], stage="draft", **ws)
+        await b.call("strand.watch.set", strand_id=strand["id"], level="all", **ws)
         await b.call("notification.set", state="quiet", **scope)
         await owner.call("collaborator.add", member_id=bob.member_id, confirm_channel=True, no_expiry=True, **scope)
         await owner.call("member.remove", member_id=carol.member_id, **ws)  # closes with reason "departed"

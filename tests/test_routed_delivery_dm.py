@@ -102,7 +102,7 @@ async def test_signing_in_as_someone_else_drops_the_previous_members_feed(app: A
         assert [e for e in conn.queued_events() if e["event"] == "delivery"] == []
 
 
-async def test_an_edit_that_adds_a_mention_wakes_nobody(app: App, world):  # noqa: F811
+async def test_an_edit_wakes_only_the_members_it_newly_mentions(app: App, world):  # noqa: F811
     alpha, bob, _, _, _, _, ws = world
     async with await signed_in(app, alpha.owner) as owner, await signed_in(app, bob) as b:
         await b.call("delivery.subscribe", **ws)
@@ -110,9 +110,16 @@ async def test_an_edit_that_adds_a_mention_wakes_nobody(app: App, world):  # noq
         channel = await open_channel(owner, alpha.workspace_id, "edits", [bob.member_id])
         plain = await owner.call("message.send", scope_id=channel["id"], content="later", **ws)
         await owner.call("message.edit", message_id=plain["id"], content="later @bob", expected_revision=1, **ws)
+        woken = await next_delivery(b)
+        assert (woken["data"]["message_id"], woken["data"]["reason"]) == (plain["id"], "mention")
+        # Still mentioned, mentioned again after a removal, or withdrawn: nobody is woken twice.
+        await owner.call("message.edit", message_id=plain["id"], content="later @bob!", expected_revision=2, **ws)
+        await owner.call("message.edit", message_id=plain["id"], content="later", expected_revision=3, **ws)
+        await owner.call("message.edit", message_id=plain["id"], content="@bob later", expected_revision=4, **ws)
+        await owner.call("message.withdraw", message_id=plain["id"], **ws)
         barrier = await owner.call("message.send", scope_id=dm["id"], content="next", **ws)
         assert (await next_delivery(b))["data"]["message_id"] == barrier["id"]
-        assert [d["message_id"] for d in await feed(b, ws)] == [barrier["id"]]
+        assert [d["message_id"] for d in await feed(b, ws)] == [plain["id"], barrier["id"]]
 
 
 async def test_the_feed_listing_hides_what_you_no_longer_read(app: App, world):  # noqa: F811

@@ -12,7 +12,7 @@ import trio
 from client import ClientError, connect
 from protocol import frames
 from server import messaging
-from server.ops import collaboration, private_agents, service_accounts
+from server.ops import collaboration, private_agents, service_accounts, strands
 from server import tenancy as ops
 from server.auth import system_context, system_workspace_context
 from server.context import RequestContext
@@ -419,11 +419,11 @@ async def test_every_command_probed_across_workspaces_answers_not_found(app: App
         tenancy_ops = {cls.__struct_config__.tag for cls in frames.CLIENT_FRAMES
                        if issubclass(cls, frames.WorkspaceRequest) and cls not in messaging.HANDLERS
                        and cls not in collaboration.HANDLERS and cls not in private_agents.HANDLERS
-                       and cls not in service_accounts.HANDLERS
+                       and cls not in service_accounts.HANDLERS and cls not in strands.HANDLERS
                        and cls not in (frames.Subscribe, frames.Unsubscribe, frames.Typing, frames.Presence)}
         assert tenancy_ops == set(probes), ("every tenancy command must be probed (messaging: test_messaging; "
                                             "private agents: test_private_visibility; service accounts: "
-                                            "test_service_account_governance)")
+                                            "test_service_account_governance; strands: test_strand_surfaces)")
         for op, variants in probes.items():
             for fields in variants:
                 await expect_error("not_found", conn.call(op, **fields))

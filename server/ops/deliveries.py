@@ -19,7 +19,7 @@ from server.messaging import _ms, message_info
 from server.rbac import Permission
 from server.wire import server_frame
 from storage import deliveries, messages
-from storage.visibility.deliveries import readable_messages
+from storage.visibility.deliveries import readable_messages, readable_scopes
 
 if TYPE_CHECKING:
     from server.app import Connection, Server
@@ -34,7 +34,8 @@ def delivery_info(row, message=None, activity=None) -> d.DeliveryInfo:
         kind="activity" if row["activity_event_id"] else "message", scope_id=row["scope_id"], status=row["status"],
         attempt=row["attempts"], push=row["push"], created_at_ms=_ms(row["created_at"]), authority=row["authority"],
         message_id=row["message_id"], suppression_reason=row["suppression_reason"],
-        lease_expires_at_ms=_ms(row["lease_expires_at"]) if row["lease_expires_at"] is not None else None)
+        lease_expires_at_ms=_ms(row["lease_expires_at"]) if row["lease_expires_at"] is not None else None,
+        reasons=list(row.get("reasons") or ()) or [row["reason"]])
     if message is not None:
         info.message = message_info(message)
     if activity is not None:
@@ -110,10 +111,15 @@ async def list_feed(server: Server, connection: Connection, request: d.DeliveryL
                                 sorted({r["message_id"] for r in rows if r["message_id"]}))
     activity_ids = sorted({r["activity_event_id"] for r in rows if r["activity_event_id"]})
     activities = await server.db.run(deliveries.activity_events, activity_ids) if activity_ids else {}
+    # A message-less activity (a strand assignment) shows while you read its scope.
+    scopes = await server.db.run(readable_scopes, workspace.member_id,
+                                 sorted({r["scope_id"] for r in rows if not r["message_id"]}))
     # What you no longer read shows as the bare delivery: no message, nor who reacted to it.
     return d.DeliveryPage(
         deliveries=[delivery_info(r, messages.committed_from_row(found[r["message_id"]]),
                                   activities.get(r["activity_event_id"])) if r["message_id"] in found
+                    else delivery_info(r, None, activities.get(r["activity_event_id"]))
+                    if not r["message_id"] and r["scope_id"] in scopes
                     else delivery_info(r) for r in rows],
         next_after_seq=rows[-1]["delivery_seq"] if more else None)
 

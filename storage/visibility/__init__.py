@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncpg
 
 from domain.plan import RosterEntry
+from storage.visibility import tasks
 from storage.visibility.authority import scope_authority
 from storage.visibility.predicate import (
     entitled_for_message,
@@ -38,21 +39,32 @@ from storage.visibility.predicate import (
 )
 
 __all__ = [
-    "ENTITLED_MEMBERSHIPS", "entitled_for_message", "entitled_roster", "explain_message", "fetch_custom_plan",
+    "ENTITLED_MEMBERSHIPS", "INBOX_MEMBERSHIPS", "entitled_for_message", "entitled_roster", "explain_message", "fetch_custom_plan",
     "message_readable_sql", "message_visibility_sql", "ReaderWindows", "private_reader_windows", "quoted_sources_sql", "readable_join", "roster_entries", "scope_authority",
     "scope_members", "scope_readable_sql", "typing_audience", "viewer_membership",
 ]
 
-# The memberships that grant reading and delivery, as a relation usable in any FROM.
+# The memberships that grant reading and delivery, as a relation usable in any FROM
+# (a task's 'participant' rows grant nothing: storage/visibility/tasks.py decides tasks).
 ENTITLED_MEMBERSHIPS = (
     "(SELECT em.* FROM scope_memberships em JOIN members emm ON emm.workspace_id = em.workspace_id "
-    "AND emm.id = em.member_id WHERE em.effective_to_seq IS NULL AND emm.status = 'active')"
+    "AND emm.id = em.member_id WHERE em.effective_to_seq IS NULL AND emm.status = 'active' "
+    "AND em.visibility <> 'participant')"
+)
+
+# The Inbox's memberships: the entitled ones and the state rows of the tasks the member reads.
+INBOX_MEMBERSHIPS = (
+    f"(SELECT * FROM {ENTITLED_MEMBERSHIPS} ie UNION ALL SELECT ip.* FROM scope_memberships ip "
+    f"WHERE ip.visibility = 'participant' AND ip.effective_to_seq IS NULL "
+    f"AND {tasks.task_reader_sql('ip.scope_id', 'ip.member_id')} IS NOT NULL)"
 )
 
 
 async def entitled_roster(conn: asyncpg.Connection, scope_id: str) -> frozenset[str]:
     """The members entitled to the scope's events."""
     rows = await conn.fetch(f"SELECT member_id FROM {ENTITLED_MEMBERSHIPS} r WHERE r.scope_id = $1", scope_id)
+    if not rows and await _is_task(conn, scope_id):  # a task has no entitled rows of its own
+        return await tasks.task_readers(conn, scope_id)
     return frozenset(r["member_id"] for r in rows)
 
 
@@ -69,6 +81,8 @@ async def roster_entries(conn: asyncpg.Connection, scope_id: str) -> dict[str, R
         f"WHERE r.scope_id = $1",
         scope_id,
     )
+    if not rows and await _is_task(conn, scope_id):
+        return await tasks.task_roster_entries(conn, scope_id)
     return {r["member_id"]: RosterEntry(r["member_id"], r["kind"], r["visibility"], r["owner_member_id"],
                                         r["last_read_seq"], r["effective_from_seq"], r["notification_state"])
             for r in rows}
@@ -83,13 +97,20 @@ async def typing_audience(conn: asyncpg.Connection, scope_id: str, typist: str) 
         f"AND (r.visibility = 'public' OR r.owner_member_id = $2 OR r.member_id = $2)",
         scope_id, typist,
     )
+    if not rows and await _is_task(conn, scope_id):
+        return await tasks.task_readers(conn, scope_id)
     return frozenset(r["member_id"] for r in rows)
 
 
 async def scope_members(conn: asyncpg.Connection, scope_id: str, *,
                         include_private: bool = False) -> list[asyncpg.Record]:
     """Current public members; with include_private also the private ones, which
-    carry their owner (scope-model §3.3: a public list never shows them)."""
+    carry their owner (scope-model §3.3: a public list never shows them).  A task's are its readers."""
+    if await _is_task(conn, scope_id):
+        return await conn.fetch(
+            "SELECT mem.id AS member_id, mem.handle, mem.display_name, mem.kind, 'public' AS visibility, "
+            "NULL::text AS owner_member_id, 1::bigint AS effective_from_seq FROM members mem "
+            "WHERE mem.id = ANY($1::text[]) ORDER BY mem.id", sorted(await tasks.task_readers(conn, scope_id)))
     return await conn.fetch(
         f"SELECT r.member_id, mem.handle, mem.display_name, mem.kind, r.visibility, r.owner_member_id, "
         f"r.effective_from_seq FROM {ENTITLED_MEMBERSHIPS} r JOIN members mem ON mem.workspace_id = r.workspace_id "
@@ -99,12 +120,24 @@ async def scope_members(conn: asyncpg.Connection, scope_id: str, *,
 
 
 async def viewer_membership(conn: asyncpg.Connection, scope_id: str, viewer: str) -> asyncpg.Record | None:
-    """The viewer's read state in the scope, if the membership grants reading."""
-    return await conn.fetchrow(
+    """The viewer's read state in the scope, if the membership grants reading (a task's
+    reader: its participant row's cursor, 0 before it has one)."""
+    row = await conn.fetchrow(
         f"SELECT r.last_read_seq, r.effective_from_seq, r.visibility, r.owner_member_id FROM {ENTITLED_MEMBERSHIPS} r "
         f"WHERE r.scope_id = $1 AND r.member_id = $2",
         scope_id, viewer,
     )
+    if row is not None or not await _is_task(conn, scope_id) or not await tasks.is_task_reader(conn, scope_id,
+                                                                                                viewer):
+        return row
+    return await conn.fetchrow(
+        "SELECT coalesce((SELECT p.last_read_seq FROM scope_memberships p WHERE p.scope_id = $1 "
+        "AND p.member_id = $2 AND p.effective_to_seq IS NULL), 0) AS last_read_seq, 1::bigint AS "
+        "effective_from_seq, 'public' AS visibility, NULL::text AS owner_member_id", scope_id, viewer)
+
+
+async def _is_task(conn: asyncpg.Connection, scope_id: str) -> bool:
+    return bool(await conn.fetchval("SELECT type = 'task' FROM scopes WHERE id = $1", scope_id))
 
 
 # --- memberships that no longer grant anything (closed by the departed-member path) ----------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncpg
 
-from storage.visibility.predicate import _chain, message_visibility_sql
+from storage.visibility.predicate import _chain, message_visibility_sql, scope_readable_sql
 
 
 def _active_authority_sql(owner: str, waker: str, message: str) -> str:
@@ -32,12 +32,14 @@ async def handout_verdicts(conn: asyncpg.Connection, delivery_ids: list[str]) ->
     rows = await conn.fetch(
         f"""
         SELECT d.id, m.state,
-               {message_visibility_sql('m', 'd.recipient_member_id')} IS NOT NULL AS readable,
-               CASE WHEN d.authority IN ('grant', 'collaborator') THEN
+               -- A message-less activity (a strand assignment): the recipient must still read its scope.
+               CASE WHEN d.message_id IS NULL THEN {scope_readable_sql('d.scope_id', 'd.recipient_member_id', by_id=True)}
+                    ELSE {message_visibility_sql('m', 'd.recipient_member_id')} IS NOT NULL END AS readable,
+               CASE WHEN d.message_id IS NOT NULL AND d.authority IN ('grant', 'collaborator') THEN
                     {_active_authority_sql('rm.owner_member_id', 'coalesce(a.actor_member_id, m.author_member_id)', 'm')}
                     ELSE true END AS authorized
         FROM scope_targeted_deliveries d
-        JOIN scope_messages m ON m.scope_id = d.scope_id AND m.id = d.message_id
+        LEFT JOIN scope_messages m ON m.scope_id = d.scope_id AND m.id = d.message_id
         JOIN members rm ON rm.workspace_id = d.workspace_id AND rm.id = d.recipient_member_id
         LEFT JOIN scope_activity_events a ON a.id = d.activity_event_id
         WHERE d.id = ANY($1::text[])
@@ -70,3 +72,12 @@ async def readable_messages(conn: asyncpg.Connection, viewer: str, message_ids: 
         viewer, message_ids,
     )
     return {r["id"]: r for r in rows}
+
+
+async def readable_scopes(conn: asyncpg.Connection, viewer: str, scope_ids: list[str]) -> set[str]:
+    """Those of `scope_ids` that `viewer` may use now."""
+    if not scope_ids:
+        return set()
+    rows = await conn.fetch(f"SELECT s.id FROM scopes s WHERE s.id = ANY($2::text[]) AND {scope_readable_sql('s', '$1')}",
+                            viewer, scope_ids)
+    return {r["id"] for r in rows}

@@ -30,6 +30,8 @@ from datetime import datetime
 
 import asyncpg
 
+from storage.visibility.tasks import task_reader_sql, task_readers
+
 # A member whose membership is closed or who left the workspace reads nothing.
 _ACTIVE = "EXISTS (SELECT 1 FROM members xm WHERE xm.workspace_id = {ms}.workspace_id AND xm.id = {ms}.member_id " \
           "AND xm.status = 'active')"
@@ -132,7 +134,11 @@ def message_visibility_sql(message: str = "m", viewer: str = "$2") -> str:
         f"AND src.source_kind = 'owner_quote' AND q.author_member_id = vm.owner_member_id "
         f"AND {_in_interval('vm.id', 'q')} AND {_still_in_parent('vm.id', 'q.scope_id')}))"
     )
-    return f"COALESCE({public}, {private}, {source})"
+    # A task scope has no public or private memberships (its rows are 'participant', state
+    # only): its readers come from the board channel, decided by the task authority.  Tried
+    # after the private branch, so a private agent's reads elsewhere never pay for it.
+    task = task_reader_sql(f"{message}.scope_id", viewer)
+    return f"COALESCE({public}, {private}, {task}, {source})"
 
 
 def readable_join(message: str = "m", viewer: str = "$2") -> str:
@@ -153,21 +159,25 @@ def scope_readable_sql(scope: str = "s", viewer: str = "$2", *, by_id: bool = Fa
     private, of an active member)?  Which of its messages it reads is
     message_visibility_sql's question."""
     scope_id = scope if by_id else f"{scope}.id"
-    return (f"EXISTS (SELECT 1 FROM scope_memberships rv WHERE rv.scope_id = {scope_id} AND rv.member_id = {viewer} "
-            f"AND rv.effective_to_seq IS NULL AND {_ACTIVE.format(ms='rv')})")
+    return (f"(EXISTS (SELECT 1 FROM scope_memberships rv WHERE rv.scope_id = {scope_id} AND rv.member_id = {viewer} "
+            f"AND rv.effective_to_seq IS NULL AND rv.visibility <> 'participant' AND {_ACTIVE.format(ms='rv')}) "
+            f"OR {task_reader_sql(scope_id, viewer)} IS NOT NULL)")
 
 
 # --- the fanout side ------------------------------------------------------------------------------
 
 async def entitled_for_message(conn: asyncpg.Connection, scope_id: str, message_id: str) -> frozenset[str]:
     """Who receives this message's events: the open public members, and the open
-    private members who may read it (the outbox worker's replay)."""
+    private members who may read it (the outbox worker's replay); a task's readers."""
     rows = await conn.fetch(
         f"SELECT r.member_id FROM scope_memberships r JOIN scope_messages m ON m.scope_id = r.scope_id AND m.id = $2 "
         f"WHERE r.scope_id = $1 AND r.effective_to_seq IS NULL AND {_ACTIVE.format(ms='r')} "
+        f"AND r.visibility <> 'participant' "
         f"AND (r.visibility = 'public' OR {message_visibility_sql('m', 'r.member_id')} IS NOT NULL)",
         scope_id, message_id,
     )
+    if not rows and await conn.fetchval("SELECT type = 'task' FROM scopes WHERE id = $1", scope_id):
+        return await task_readers(conn, scope_id)  # a task's own rows grant nothing
     return frozenset(r["member_id"] for r in rows)
 
 

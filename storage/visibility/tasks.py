@@ -1,0 +1,86 @@
+"""Task authority (collaborator-policy §4.2.1): who reads and writes a task scope.
+
+A task scope's readers are not its own members: they are the active, public
+members of its board's channel, resolved here, server side, Task → board →
+Channel, and only when the three agree (strands.channel_id = the board's
+channel = the task scope's parent).  Every miss — another channel's id, another
+workspace, a board that disagrees with the task, an inactive member, a member
+who left the channel — reads as no access, the same answer whatever the cause.
+A task's own memberships (visibility 'participant') carry read state only and
+grant nothing.  Archived tasks, boards and channels stay readable to humans and
+close to agents (SPEC §5 decision 11).  Private agents do not enter task scopes.
+
+Every read and fanout surface that meets a task scope uses these fragments;
+predicate.py folds them into the one readable predicate.
+"""
+
+from __future__ import annotations
+
+import asyncpg
+
+from domain.plan import RosterEntry
+
+
+def _task_readers(task_scope: str, member: str | None) -> str:
+    """FROM/WHERE body: the board channel's readers of task `task_scope` (one, with `member`).
+    Its aliases (ta_*) are its own: the caller's `task_scope` / `member` expressions are
+    correlated into it and must never be shadowed by them (an outer `st.scope_id` read as
+    the inner strand would make every strand readable to whoever reads one)."""
+    only = f"AND ta_cm.member_id = {member} " if member is not None else ""
+    return (
+        f"FROM strands ta_st JOIN task_boards ta_tb ON ta_tb.workspace_id = ta_st.workspace_id "
+        f"AND ta_tb.id = ta_st.board_id "
+        f"JOIN scopes ta_ts ON ta_ts.id = ta_st.scope_id JOIN scopes ta_ch ON ta_ch.id = ta_tb.channel_id "
+        f"JOIN scope_memberships ta_cm ON ta_cm.scope_id = ta_tb.channel_id AND ta_cm.effective_to_seq IS NULL "
+        f"AND ta_cm.visibility = 'public' {only}"
+        f"JOIN members ta_vm ON ta_vm.workspace_id = ta_st.workspace_id AND ta_vm.id = ta_cm.member_id "
+        f"AND ta_vm.status = 'active' AND ta_vm.visibility IS DISTINCT FROM 'private' "
+        f"WHERE ta_st.scope_id = {task_scope} AND ta_st.channel_id = ta_tb.channel_id "
+        f"AND ta_ts.parent_scope_id = ta_tb.channel_id AND ta_ts.workspace_id = ta_st.workspace_id "
+        f"AND ta_ch.workspace_id = ta_st.workspace_id AND ta_ts.status <> 'deleted' AND ta_ch.status <> 'deleted' "
+        f"AND (ta_vm.kind = 'human' OR (ta_st.state = 'active' AND ta_tb.status = 'active' "
+        f"AND ta_ch.status = 'active'))"
+    )
+
+
+def task_reader_sql(task_scope: str, viewer: str) -> str:
+    """Text 'board_channel' when `viewer` reads the task scope `task_scope`, else NULL."""
+    return f"(SELECT 'board_channel' {_task_readers(task_scope, viewer)})"
+
+
+async def task_readers(conn: asyncpg.Connection, scope_id: str) -> frozenset[str]:
+    rows = await conn.fetch(f"SELECT ta_cm.member_id {_task_readers('$1', None)}", scope_id)
+    return frozenset(r["member_id"] for r in rows)
+
+
+async def task_roster_entries(conn: asyncpg.Connection, scope_id: str) -> dict[str, RosterEntry]:
+    """A task actor's roster: its readers, with their read cursor (a participant row,
+    if they have one) and their notification state in the task."""
+    rows = await conn.fetch(
+        f"SELECT ta_cm.member_id, ta_vm.kind, "
+        f"coalesce((SELECT p.last_read_seq FROM scope_memberships p WHERE p.scope_id = ta_st.scope_id "
+        f"AND p.member_id = ta_cm.member_id AND p.effective_to_seq IS NULL), 0) AS last_read_seq, "
+        f"coalesce((SELECT n.state FROM scope_notification_settings n WHERE n.scope_id = ta_st.scope_id "
+        f"AND n.member_id = ta_cm.member_id), 'active') AS notification_state {_task_readers('$1', None)}",
+        scope_id,
+    )
+    return {r["member_id"]: RosterEntry(r["member_id"], r["kind"], "public", None, r["last_read_seq"], 1,
+                                        r["notification_state"]) for r in rows}
+
+
+async def is_task_reader(conn: asyncpg.Connection, scope_id: str, member_id: str) -> bool:
+    return await conn.fetchval(f"SELECT {task_reader_sql('$1', '$2')} IS NOT NULL", scope_id, member_id)
+
+
+async def participant_members(conn: asyncpg.Connection, scope_id: str) -> set[str]:
+    """Members with a task's state-only row (they grant nothing)."""
+    return {r["member_id"] for r in await conn.fetch(
+        "SELECT member_id FROM scope_memberships WHERE scope_id = $1 AND effective_to_seq IS NULL "
+        "AND visibility = 'participant'", scope_id)}
+
+
+def channel_member_sql(channel: str, viewer: str) -> str:
+    """SQL: is `viewer` an active, public, open member of the channel `channel`?"""
+    return (f"EXISTS (SELECT 1 FROM scope_memberships bm JOIN members bmm ON bmm.workspace_id = bm.workspace_id "
+            f"AND bmm.id = bm.member_id AND bmm.status = 'active' WHERE bm.scope_id = {channel} "
+            f"AND bm.member_id = {viewer} AND bm.effective_to_seq IS NULL AND bm.visibility = 'public')")
