@@ -266,3 +266,57 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         print(f"\nconformance: {CONFORMANCE.server_tests} server tests ran but no server frame was validated")
     elif CONFORMANCE.validated:
         print(f"\nconformance: {CONFORMANCE.validated} server frames validated against the protocol contract")
+
+
+# --- a test that never finishes fails instead, and says where it waits -----------------------------------
+
+import functools  # noqa: E402
+import inspect  # noqa: E402
+import os  # noqa: E402
+import threading  # noqa: E402
+import traceback  # noqa: E402
+
+import trio  # noqa: E402
+
+# Wall-clock seconds a trio test may run (the slowest takes about 70 s on a busy machine).
+HANG_SECONDS = float(os.environ.get("SCOPEWIRE_TEST_HANG_SECONDS", "600"))
+
+
+class TestRunOverrun(Exception):
+    """A trio test ran past HANG_SECONDS of wall-clock time."""
+
+
+def _overrun(nodeid: str) -> None:
+    lines = [f"{nodeid}: still running after {HANG_SECONDS:.0f} s; its trio tasks:"]
+    pending = [trio.lowlevel.current_root_task()]
+    while pending:
+        task = pending.pop()
+        frame = task.coro.cr_frame
+        lines.append(f"  task {task.name}:")
+        lines += ["    " + line for line in traceback.format_stack(frame)] if frame is not None else []
+        pending += [child for nursery in task.child_nurseries for child in nursery.child_tasks]
+    print("\n".join(lines), file=sys.stderr)
+    raise TestRunOverrun(f"{nodeid} ran past {HANG_SECONDS:.0f} s (task stacks on stderr)")
+
+
+def _watched(test, nodeid: str):
+    """`test` with a wall-clock watchdog (not trio time: MockClock tests jump it): past
+    HANG_SECONDS it prints every task's stack and fails the run, so a wait without a bound
+    is a named failure, not a stalled suite."""
+    @functools.wraps(test)
+    async def watched(*args, **kwargs):
+        token = trio.lowlevel.current_trio_token()
+        timer = threading.Timer(HANG_SECONDS, lambda: token.run_sync_soon(_overrun, nodeid))
+        timer.daemon = True
+        timer.start()
+        try:
+            return await test(*args, **kwargs)
+        finally:
+            timer.cancel()
+    return watched
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if isinstance(item, pytest.Function) and inspect.iscoroutinefunction(item.obj):
+            item.obj = _watched(item.obj, item.nodeid)

@@ -446,7 +446,7 @@ def test_strand_writes_follow_the_model_on_the_live_server(database_dsn, member_
             structured.server_shows_the_model()
         # No shrinking: examples share the server, a replay would not see the same state.
         run_state_machine_as_test(lambda: StrandMachine(server, tokens), settings=settings(
-            max_examples=16, stateful_step_count=20, deadline=None, derandomize=True,
+            max_examples=10, stateful_step_count=16, deadline=None, derandomize=True,
             phases=(Phase.explicit, Phase.generate), suppress_health_check=list(HealthCheck)))
     decisions = StrandMachine.decisions
     print("strand model decisions:", dict(decisions))
