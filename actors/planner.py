@@ -48,7 +48,7 @@ def payload_digest(intent: MessageIntent) -> bytes:
     canonical = {
         "message_type": intent.message_type,
         "content": intent.content,
-        "attachment_ids": list(intent.metadata.get("attachment_ids", [])),
+        "attachment_ids": list(intent.attachment_ids),
         "sources": [[s.kind, s.message_id] for s in intent.sources],
         # Client-owned metadata only: an owner_quote's frozen copies are written by
         # the server from the source refs (already in the digest), so a retry after

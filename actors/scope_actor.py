@@ -48,6 +48,7 @@ from domain.routing import RoutedDelivery
 from domain.strands import effective_level
 from domain.routing import AUDIENCE_MENTION, REACTION, SILENCED_STATES, UNPUSHED_STATES, WATCH, Route
 from storage import applier, deliveries, messages, private_authority, strands, tenancy, visibility
+from storage import attachments as attachment_rows
 from storage.bridge import Database
 from storage.errors import Conflict, DatabaseUnavailable, NotFound, StorageError, WriteFenced
 
@@ -603,13 +604,15 @@ class ScopeActor:
             if key is not None:
                 claimed[key] = (index, plan)
             fresh.append((index, plan))
+        claims = await self._check_attachments(conn, state, fresh, outcomes)
+        fresh = [(i, p) for i, p in fresh if outcomes[i] is None]
         self._audiences = {}
         uses = await self._authorize_audiences(conn, state, fresh, outcomes) if any(
             p.audience_mentions for _, p in fresh) else {}
         fresh = [(i, p) for i, p in fresh if outcomes[i] is None]
         if fresh:
             committed = await applier.insert_messages(conn, state.workspace_id, state.scope_id,
-                                                      [p for _, p in fresh])
+                                                      [p for _, p in fresh], [claims.get(i, []) for i, _ in fresh])
             if uses:
                 await strands.record_audience_uses(conn, state.workspace_id, [
                     (uses[i], message.id) for (i, _), message in zip(fresh, committed) if i in uses], self.clock())
@@ -642,6 +645,32 @@ class ScopeActor:
                 outcomes[index] = Outcome(_as_replay(first.value))
             else:
                 outcomes[index] = Conflict("idempotency_conflict", "same client_message_id, different payload")
+
+    async def _check_attachments(self, conn: asyncpg.Connection, state: ScopeContext,
+                                 fresh: list[tuple[int, MessagePlan]], outcomes: list[Any]) -> dict[int, list[dict]]:
+        """The attachments each message claims (plan index → descriptions), locked until
+        commit.  Each must be its author's own finished, unclaimed upload in this scope,
+        claimed once in the batch; otherwise the whole message is refused `not_found`,
+        whatever the cause (an id of another workspace reveals nothing)."""
+        wanted = sorted({a for _, p in fresh for a in p.intent.attachment_ids})
+        if not wanted:
+            return {}
+        locked = await attachment_rows.lock_for_claim(conn, state.workspace_id, state.scope_id, wanted)
+        taken: set[str] = set()
+        claims: dict[int, list[dict]] = {}
+        for index, plan in fresh:
+            ids = plan.intent.attachment_ids
+            if not ids:
+                continue
+            found = [locked.get(a) for a in ids]
+            if any(row is None or row["workspace_id"] != state.workspace_id or row["scope_id"] != state.scope_id
+                   or row["uploaded_by_member_id"] != plan.actor.member_id or row["upload_state"] != "stored"
+                   or row["message_id"] is not None or row["id"] in taken for row in found):
+                outcomes[index] = Refused("not_found", "attachment not found", "attachment_not_found")
+                continue
+            taken.update(ids)
+            claims[index] = [attachment_rows.info(row) for row in found]
+        return claims
 
     async def _write_routes(self, conn: asyncpg.Connection, state: ScopeContext, fresh: list[tuple[int, MessagePlan]],
                             committed: list[CommittedMessage], outcomes: list[Any]) -> None:

@@ -58,6 +58,8 @@ class MessageIntent:
     # Silent/internal messages are stored and readable but produce no fanout
     # (explicit no-fanout rule, scope-model.md §6.5).
     silent: bool = False
+    # The author's stored uploads in this scope, claimed in the send's transaction.
+    attachment_ids: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,8 @@ def problem(frame: Any) -> str | None:
     if isinstance(value, frames.Error) and value.code not in ERROR_CODES:
         return f"unknown error code {value.code!r}"
     again = msgspec.to_builtins(value)
+    if again != frame:  # a MessagePack frame carries `bytes` fields as raw bytes, JSON as base64
+        again = msgspec.to_builtins(value, builtin_types=(bytes,))
     if again != frame:
         return f"{typed.__name__}: fields outside the contract or a changed value: {_difference(frame, again)}"
     return None

@@ -173,6 +173,8 @@ Limit = Annotated[int, msgspec.Meta(ge=1, le=200)]
 Seq = Annotated[int, msgspec.Meta(ge=0, le=2**53)]
 ReactionKey = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
 Cursor = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
+MAX_ATTACHMENTS_PER_MESSAGE = 20
+AttachmentIds = Annotated[list[Id], msgspec.Meta(max_length=MAX_ATTACHMENTS_PER_MESSAGE)]
 NotificationState = Literal["active", "quiet", "mute", "auto-wake", "no-wake"]
 # Explicit recipients of a send: addressed like live mentions, authorized by the
 # server (an unauthorized one answers `forbidden`, reason `recipient_not_addressable`).
@@ -247,6 +249,8 @@ class MessageSend(WorkspaceRequest, tag="message.send"):
     reply_to_message_id: Id | None = None
     silent: bool = False
     recipient_member_ids: RecipientIds = []
+    # Stored uploads of yours in this scope (protocol/attachments.py), claimed by the message.
+    attachment_ids: AttachmentIds = []
 
 
 class ThreadReply(WorkspaceRequest, tag="thread.reply"):
@@ -654,9 +658,10 @@ CLOSE_UNAVAILABLE = 1011      # the server could not deliver (e.g. database down
 # is defined by then, so the import is not circular) and is appended here.
 from protocol import (  # noqa: E402
     collaboration as _collaboration, deliveries as _deliveries, platform as _platform,
-    private_agents as _private_agents, service_accounts as _service_accounts, strands as _strands)
+    attachments as _attachments, private_agents as _private_agents, search as _search,
+    service_accounts as _service_accounts, strands as _strands)
 
 CLIENT_FRAMES += (*_collaboration.FRAMES, *_private_agents.FRAMES, *_deliveries.FRAMES, *_service_accounts.FRAMES,
-                  *_platform.FRAMES, *_strands.FRAMES)
+                  *_platform.FRAMES, *_strands.FRAMES, *_attachments.FRAMES, *_search.FRAMES)
 ClientFrame = Union[CLIENT_FRAMES]  # type: ignore[valid-type]
 KNOWN_OPS = frozenset(frame.__struct_config__.tag for frame in CLIENT_FRAMES)

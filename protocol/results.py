@@ -14,7 +14,8 @@ from typing import Literal
 
 import msgspec
 
-from protocol import collaboration, deliveries, platform, private_agents, service_accounts, strands
+from protocol import (attachments, collaboration, deliveries, platform, private_agents, search, service_accounts,
+                      strands)
 from protocol import frames as f
 
 
@@ -116,6 +117,8 @@ RESULTS: dict[type[f.Request], type[msgspec.Struct]] = {
     **service_accounts.RESULTS,
     **platform.RESULTS,
     **strands.RESULTS,
+    **attachments.RESULTS,
+    **search.RESULTS,
 }
 assert set(RESULTS) == set(f.CLIENT_FRAMES), "every op needs exactly one result type"
 

@@ -37,7 +37,7 @@ CLIENT_MESSAGE_TYPES = ("text", "markdown")
 RESERVED_METADATA_KEYS = frozenset({
     "mentions", "wake", "wakes", "wake_targets", "audience", "routing", "sources", "source_refs", "silent",
     "forwarded_message_ids", "quoted_message_ids", "recipients", "quote", "shared_by_member_id",
-    "audience_mentions",
+    "audience_mentions", "attachments", "attachment_ids",
 })
 MAX_METADATA_DEPTH = 8
 MAX_METADATA_BYTES = 16_384

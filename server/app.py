@@ -39,6 +39,7 @@ from server.ops.service_accounts import AudienceReconciler
 from server.ops.service_accounts import run_maintenance as run_service_account_maintenance
 from server.limits import ConnectionAdmission, KeyedRateLimiter, TokenBucket, warn_if_descriptors_short
 from server import transport
+from server.attachments import Attachments
 from server.auth import Authenticator
 from server.config import ServerConfig
 from server.context import Principal
@@ -196,6 +197,7 @@ class Server:
         self.deliveries = DeliveryRouter(self.db, lease_seconds=self.config.delivery_lease_seconds,
                                          retention_hours=self.config.delivery_retention_hours)
         self.audience = AudienceReconciler(self)
+        self.attachments = Attachments(self.config)
         self.metrics.bind(self)
 
     async def edition(self) -> str | None:
@@ -221,6 +223,7 @@ class Server:
             await actors_nursery.start(self.audience.run)
             await actors_nursery.start(run_service_account_maintenance, self)
             await actors_nursery.start(run_platform, self, actors_nursery)
+            await actors_nursery.start(self.attachments.run_collector, self)
             # Cancelling run() must not reach the connection tasks at once: they
             # still run the closing handshakes.  So the serving part is shielded,
             # and a sentinel task turns the cancellation into a stop request.

@@ -24,12 +24,13 @@ from server.app import Server
 from server.auth import Authenticator, system_context, system_workspace_context
 from server.credentials import load_or_create_signer
 from server.rbac import API_KEY_SCOPES
-from server.config import DatabaseConfig, ServerConfig, default_data_dir
+from server.config import DEFAULT_ATTACHMENT_TYPES, DatabaseConfig, ServerConfig, default_data_dir
 from server.ops.platform import create_operator
+from storage.blobs import S3Settings
 from storage.cluster import ClusterError
 from storage.lifecycle import (ClusterLost, DatabaseStartError, database_url_host, embedded_cluster, open_database,
                                provisioned, supervise_cluster)
-from storage import platform, tenancy
+from storage import platform, search, tenancy
 from storage.errors import Conflict, NotFound
 from storage.migrations import migrate, verify
 
@@ -112,6 +113,32 @@ def build_parser() -> argparse.ArgumentParser:
             ("--platform-max-attempts", "PLATFORM_MAX_ATTEMPTS", "8",
              "failed attempts of a platform delivery before it waits for an operator (operator_attention)")):
         serve.add_argument(flag, type=float, default=float(_env(env, default)), help=f"{text} (default: %(default)s)")
+    for flag, env, default, text in (
+            ("--max-attachment-bytes", "MAX_ATTACHMENT_BYTES", str(100 * 1024 * 1024), "largest upload in bytes"),
+            ("--max-unclaimed-upload-bytes", "MAX_UNCLAIMED_UPLOAD_BYTES", str(1024 ** 3),
+             "bytes of a member's uploads not yet claimed by a message"),
+            ("--max-unclaimed-uploads", "MAX_UNCLAIMED_UPLOADS", "1000",
+             "uploads of a member not yet claimed by a message"),
+            ("--unclaimed-upload-ttl", "UNCLAIMED_UPLOAD_TTL", "86400",
+             "seconds an upload may stay unclaimed before it is deleted"),
+            ("--search-candidate-budget", "SEARCH_CANDIDATE_BUDGET", "1000",
+             "matching messages one message.search examines before the readable predicate")):
+        serve.add_argument(flag, type=float, default=float(_env(env, default)), help=f"{text} (default: %(default)s)")
+    serve.add_argument("--attachments-dir", type=Path, default=_env("ATTACHMENTS_DIR"),
+                       help="where uploads are staged and, with the local driver, stored "
+                            "(default: DATA_DIR/attachments)")
+    serve.add_argument("--attachment-driver", choices=("local", "s3"), default=_env("ATTACHMENT_DRIVER", "local"),
+                       help="where finished uploads go (default: %(default)s)")
+    serve.add_argument("--attachment-types", default=_env("ATTACHMENT_TYPES"),
+                       help="comma-separated content types an upload may declare, `*` matching any subtype "
+                            "(default: common documents and media)")
+    serve.add_argument("--attachment-s3-endpoint", default=_env("ATTACHMENT_S3_ENDPOINT"),
+                       help="S3-compatible endpoint URL (default: AWS); credentials come from "
+                            "SCOPEWIRE_ATTACHMENT_S3_ACCESS_KEY / SCOPEWIRE_ATTACHMENT_S3_SECRET_KEY")
+    serve.add_argument("--attachment-s3-bucket", default=_env("ATTACHMENT_S3_BUCKET"))
+    serve.add_argument("--attachment-s3-region", default=_env("ATTACHMENT_S3_REGION", "us-east-1"))
+    serve.add_argument("--attachment-s3-prefix", default=_env("ATTACHMENT_S3_PREFIX", ""),
+                       help="key prefix of every object in the bucket")
     serve.add_argument("--metrics-port", type=int, default=_env("METRICS_PORT"),
                        help="serve /metrics (and /healthz, /readyz) on this port instead of the WebSocket port, "
                             "where /metrics then answers 404 (SCOPEWIRE_METRICS_PORT)")
@@ -148,6 +175,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "serve" and (args.delivery_lease_seconds < 1 or args.delivery_retention_hours <= 0):
         parser.error("--delivery-lease-seconds must be at least 1 and --delivery-retention-hours positive")
+    if args.command == "serve" and args.attachment_driver == "s3" and args.attachment_s3_bucket is None:
+        parser.error("--attachment-driver s3 needs --attachment-s3-bucket")
+    if args.command == "serve" and (args.max_attachment_bytes < 1 or args.max_unclaimed_uploads < 1
+                                    or args.unclaimed_upload_ttl <= 0
+                                    or not 1 <= args.search_candidate_budget <= 100_000):
+        parser.error("--max-attachment-bytes, --max-unclaimed-uploads and --unclaimed-upload-ttl must be positive, "
+                     "--search-candidate-budget 1-100000")
     if args.command == "serve" and not 1 <= args.service_account_audience_batch <= 10_000:
         parser.error("--service-account-audience-batch must be between 1 and 10000")
     if args.command == "serve" and (not 1 <= args.platform_delivery_concurrency <= 1000
@@ -202,7 +236,25 @@ def server_config_from(args: argparse.Namespace) -> ServerConfig:
                         max_unauthenticated_per_address=int(args.max_unauthenticated_per_address),
                         shutdown_grace_seconds=args.shutdown_grace,
                         metrics_port=int(args.metrics_port) if args.metrics_port is not None else None,
-                        slow_command_ms=args.slow_command_ms)
+                        slow_command_ms=args.slow_command_ms,
+                        attachments_dir=(args.attachments_dir or args.data_dir / "attachments").expanduser().resolve(),
+                        attachment_driver=args.attachment_driver,
+                        attachment_s3=_s3_settings(args),
+                        max_attachment_bytes=int(args.max_attachment_bytes),
+                        attachment_types=(tuple(t.strip() for t in args.attachment_types.split(",") if t.strip())
+                                          if args.attachment_types else DEFAULT_ATTACHMENT_TYPES),
+                        unclaimed_upload_ttl_seconds=args.unclaimed_upload_ttl,
+                        max_unclaimed_upload_bytes=int(args.max_unclaimed_upload_bytes),
+                        max_unclaimed_uploads=int(args.max_unclaimed_uploads),
+                        search_candidate_budget=int(args.search_candidate_budget))
+
+
+def _s3_settings(args: argparse.Namespace) -> S3Settings | None:
+    if args.attachment_s3_bucket is None:
+        return None
+    return S3Settings(endpoint_url=args.attachment_s3_endpoint, bucket=args.attachment_s3_bucket,
+                      region=args.attachment_s3_region, access_key=_env("ATTACHMENT_S3_ACCESS_KEY"),
+                      secret_key=_env("ATTACHMENT_S3_SECRET_KEY"), prefix=args.attachment_s3_prefix)
 
 
 def _keywords(path: Path | None) -> tuple[str, ...]:
@@ -390,6 +442,14 @@ def _add_admin_commands(commands) -> None:
     command(operator, "list", "list platform operators")
     command(operator, "disable", "disable a platform operator (its connections are refused)", arg("operator"))
 
+    search = commands.add_parser("search", help="message search readiness after an upgrade").add_subparsers(
+        dest="admin", required=True)
+    every = arg("--workspace", help="workspace id or slug (default: every workspace)")
+    command(search, "status", "scopes whose search index is not ready yet, and their progress", every)
+    command(search, "backfill", "index the messages written before search existed (resumable, idempotent)", every,
+            arg("--batch", type=int, default=1000, help="messages per transaction (default: %(default)s)"))
+    command(search, "finalize", "verify backfilled scopes and make their search ready (idempotent)", every)
+
     apikey = commands.add_parser("apikey", help="API keys").add_subparsers(dest="admin", required=True)
     command(apikey, "create", "create an API key for a member; prints the key once", workspace_flag,
             arg("--member", required=True, help="member id, handle or email"), arg("--name", default="cli"),
@@ -448,6 +508,8 @@ async def _admin_action(db, args: argparse.Namespace) -> object:
     if command == "operator disable":
         await db.transaction(platform.disable_operator, args.operator)
         return {"operator_id": args.operator, "status": "disabled"}
+    if args.command == "search":
+        return await _search_admin(db, args)
     workspace_ref = getattr(args, "workspace", None)
     workspace_id = await db.run(tenancy.workspace_by_slug_or_id, workspace_ref)
     ctx = system_context(await system_workspace_context(db, workspace_id))
@@ -499,6 +561,25 @@ async def _admin_action(db, args: argparse.Namespace) -> object:
         await ops.revoke_api_key(db, ctx, args.key)
         return {"api_key_id": args.key, "status": "revoked"}
     raise AssertionError(command)
+
+
+async def _search_admin(db, args: argparse.Namespace) -> object:
+    workspace_id = (await db.run(tenancy.workspace_by_slug_or_id, args.workspace)
+                    if args.workspace is not None else None)
+    if args.admin == "status":
+        return [dict(r) for r in await db.run(search.status, workspace_id)]
+    pending = await db.run(search.pending_scopes, workspace_id)
+    if args.admin == "backfill":
+        if args.batch < 1:
+            raise ProtocolError(ErrorCode.INVALID, "--batch must be at least 1")
+        for scope in pending:
+            while not await db.transaction(search.backfill_batch, scope["scope_id"], args.batch):
+                pass
+        return {"backfilled_scopes": len(pending),
+                "pending": [dict(r) for r in await db.run(search.pending_scopes, workspace_id)]}
+    results = [await db.transaction(search.finalize_scope, scope["scope_id"]) for scope in pending]
+    return {"finalized_scopes": sum(r["read_ready"] for r in results),
+            "not_ready": [r for r in results if not r["read_ready"]]}
 
 
 async def _migrate(target, config: DatabaseConfig, args: argparse.Namespace) -> int:

@@ -8,7 +8,16 @@ from pathlib import Path
 
 import platformdirs
 
+from storage.blobs import S3Settings
+
 ROOT_DATA_DIR = Path("/var/lib/scopewire")
+# Content types an upload may declare unless the deployment says otherwise (`*` matches
+# any subtype): documents and media, not executables or scriptable types (e.g. SVG, HTML).
+DEFAULT_ATTACHMENT_TYPES = (
+    "image/png", "image/jpeg", "image/gif", "image/webp", "application/pdf", "text/plain", "text/markdown",
+    "text/csv", "application/json", "application/zip", "application/gzip", "audio/*", "video/mp4", "video/webm",
+    "application/vnd.openxmlformats-officedocument.*", "application/vnd.oasis.opendocument.*",
+)
 
 
 def default_data_dir() -> Path:
@@ -81,3 +90,17 @@ class ServerConfig:
     # duration past which a command is logged as slow, with its phases.
     metrics_port: int | None = None
     slow_command_ms: float = 500.0
+    # Attachments: where uploads are staged and (driver `local`) stored — None: a temporary
+    # directory (`scopewire serve` uses DATA_DIR/attachments) — the driver new uploads go
+    # to, the size and type limits, and how long an upload may stay unclaimed.
+    attachments_dir: Path | None = None
+    attachment_driver: str = "local"
+    attachment_s3: S3Settings | None = None
+    max_attachment_bytes: int = 100 * 1024 * 1024
+    attachment_types: tuple[str, ...] = DEFAULT_ATTACHMENT_TYPES
+    unclaimed_upload_ttl_seconds: float = 24 * 3600.0
+    max_unclaimed_upload_bytes: int = 1024 * 1024 * 1024
+    max_unclaimed_uploads: int = 1000
+    attachment_gc_seconds: float = 60.0
+    # Search: matching messages examined per call before the readable predicate.
+    search_candidate_budget: int = 1000

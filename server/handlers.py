@@ -16,7 +16,8 @@ from protocol import frames as f
 from protocol import results
 from protocol.errors import ErrorCode, ProtocolError
 from server import messaging, realtime
-from server.ops import collaboration, deliveries, platform, private_agents, service_accounts, strands
+from server.ops import (attachments, collaboration, deliveries, platform, private_agents, search, service_accounts,
+                        strands)
 from server import tenancy as ops
 from server.context import RequestContext
 
@@ -269,6 +270,8 @@ IN_WORKSPACE: dict[type, Handler] = {
     **deliveries.HANDLERS,
     **service_accounts.HANDLERS,
     **strands.HANDLERS,
+    **attachments.HANDLERS,
+    **search.HANDLERS,
 }
 # A platform operator's ops (and only these for an operator).
 PLATFORM: dict[type, Handler] = dict(platform.HANDLERS)

@@ -341,10 +341,14 @@ async def message_send(server: Server, connection: Connection, request: f.Messag
         if source is None or source["scope_id"] != row["id"]:
             raise _not_found("message")
         sources = (SourceRef("reply", source["id"], source["scope_id"], source["seq"]),)
+    attachment_ids = tuple(_check_id(a, "att", "attachment") for a in request.attachment_ids)
+    if len(set(attachment_ids)) != len(attachment_ids):
+        raise ProtocolError(ErrorCode.INVALID, "attachment_ids: an attachment is listed twice",
+                            details={"field": "attachment_ids", "reason": "duplicate_attachment"})
     return await _send(server, workspace, row["id"], MessageIntent(
         scope_id=row["id"], content=request.content, message_type=request.message_type,
         client_message_id=request.client_message_id, metadata=dict(request.metadata), sources=sources,
-        recipients=_recipients(request.recipient_member_ids), silent=request.silent))
+        recipients=_recipients(request.recipient_member_ids), silent=request.silent, attachment_ids=attachment_ids))
 
 
 async def thread_reply(server: Server, connection: Connection, request: f.ThreadReply,

@@ -15,6 +15,8 @@ from typing import Any
 import asyncpg
 
 from domain.plan import CommittedMessage, MembershipMutation, MessagePlan
+from storage import attachments as attachment_rows
+from storage import search
 from storage.errors import Conflict, NotFound
 from storage.ids import new_id
 from storage.tenancy import WRITABLE_STATES, execution_state_for_share
@@ -204,11 +206,12 @@ async def find_idempotent(conn: asyncpg.Connection, scope_id: str,
     return {(r["author_member_id"], r["idempotency_subject_member_id"], r["client_message_id"]): r for r in rows}
 
 
-async def insert_messages(conn: asyncpg.Connection, workspace_id: str, scope_id: str,
-                          plans: list[MessagePlan]) -> list[CommittedMessage]:
+async def insert_messages(conn: asyncpg.Connection, workspace_id: str, scope_id: str, plans: list[MessagePlan],
+                          attachments: list[list[dict[str, Any]]] | None = None) -> list[CommittedMessage]:
     """Allocate seqs and insert fresh messages (the caller handled idempotency).
-    O(1) rows per message whatever the audience: the message, its sources, one
-    outbox row (none when silent)."""
+    O(1) rows per message whatever the audience: the message, its sources, its
+    search doc, one outbox row (none when silent).  `attachments[i]` (checked and
+    locked by the caller) are claimed by message i and described in its metadata."""
     count = len(plans)
     # The workspace counter row stays locked until commit: allocation order ==
     # commit order within the workspace (see storage/schema.py).
@@ -227,6 +230,9 @@ async def insert_messages(conn: asyncpg.Connection, workspace_id: str, scope_id:
     seqs = list(range(scope_tail - count + 1, scope_tail + 1))
     global_seqs = list(range(global_tail - count + 1, global_tail + 1))
     metadata = [_metadata_for(plan) for plan in plans]
+    for message_metadata, claimed in zip(metadata, attachments or ()):
+        if claimed:
+            message_metadata["attachments"] = claimed
     rows = await conn.fetch(
         "INSERT INTO scope_messages (id, workspace_id, scope_id, seq, workspace_global_seq, author_member_id, "
         "author_type, notify_principal_member_id, idempotency_subject_member_id, client_message_id, "
@@ -247,6 +253,14 @@ async def insert_messages(conn: asyncpg.Connection, workspace_id: str, scope_id:
     await _insert_sources(conn, workspace_id, scope_id, ids, plans)
     await _insert_message_outbox(conn, workspace_id, scope_id, ids, plans)
     created_at = rows[0]["created_at"]
+    if attachments:
+        await attachment_rows.claim(conn, scope_id, [(a["id"], message_id) for message_id, claimed
+                                                     in zip(ids, attachments) for a in claimed])
+    await search.write_docs(conn, [
+        search.doc_for(message_id=i, workspace_id=workspace_id, scope_id=scope_id, seq=s, workspace_global_seq=g,
+                       author_member_id=p.actor.member_id, created_at=created_at, content=p.intent.content,
+                       metadata=m)
+        for i, s, g, p, m in zip(ids, seqs, global_seqs, plans, metadata)], replace=False)
     return [
         CommittedMessage(id=i, workspace_id=workspace_id, scope_id=scope_id, seq=s, workspace_global_seq=g,
                          author_member_id=p.actor.member_id, author_type=p.actor.member_kind,
@@ -368,6 +382,7 @@ async def edit_message(conn: asyncpg.Connection, scope_id: str, message_id: str,
         "WHERE scope_id = $1 AND id = $2 RETURNING *",
         scope_id, message_id, content, revision, new_metadata,
     )
+    await search.write_docs(conn, [search.doc_for_row(updated)], replace=True)
     await enqueue_mutation(conn, row["workspace_id"], scope_id, message_id, "message.edited",
                            f"message.edited:{message_id}:{revision}", {"revision": revision}, generation)
     return updated
@@ -398,6 +413,9 @@ async def withdraw_message(conn: asyncpg.Connection, scope_id: str, message_id: 
         "WHERE scope_id = $1 AND message_id = $2",
         scope_id, message_id,
     )
+    # Unsearchable and its attachments unreadable from this commit on.
+    await search.delete_doc(conn, scope_id, message_id)
+    await attachment_rows.release(conn, scope_id, message_id)
     # Its pending deliveries are suppressed (re-checked by the worker too), and
     # their routing payload (mentions found in the text) goes with the text.
     await conn.execute(

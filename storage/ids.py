@@ -67,6 +67,7 @@ PREFIXES = frozenset(
         "tbd",  # task board
         "asg",  # strand assignment (assigned_to relation)
         "sau",  # strand audit event
+        "att",  # attachment
         "amg",  # audience-mention (broadcast) grant
     }
 )

@@ -185,7 +185,7 @@ async def message_scope(conn: asyncpg.Connection, workspace_id: str, viewer: str
 
 # --- history and permalink --------------------------------------------------------------------------
 
-_MESSAGE_COLUMNS = (
+MESSAGE_COLUMNS = (
     "m.id, m.scope_id, m.seq, m.workspace_global_seq, m.author_member_id, m.author_type, m.message_type, "
     "CASE WHEN m.state = 'withdrawn' THEN '' ELSE m.content END AS content, "
     "CASE WHEN m.state = 'withdrawn' THEN '{}'::jsonb ELSE m.metadata END AS metadata, "
@@ -203,14 +203,14 @@ async def history(conn: asyncpg.Connection, workspace_id: str, viewer: str, scop
                                       after_seq=after_seq, limit=limit)
     if after_seq is not None:
         rows = await conn.fetch(
-            f"SELECT {_MESSAGE_COLUMNS}, vis.visibility_reason, vis.grant_id FROM scope_messages m "
+            f"SELECT {MESSAGE_COLUMNS}, vis.visibility_reason, vis.grant_id FROM scope_messages m "
             f"{readable_join('m', '$2')} WHERE m.workspace_id = $1 AND m.scope_id = $3 AND m.seq > $4 "
             f"ORDER BY m.seq LIMIT $5",
             workspace_id, viewer, scope_id, after_seq, limit + 1,
         )
         return list(rows[:limit]), len(rows) > limit
     rows = await conn.fetch(
-        f"SELECT {_MESSAGE_COLUMNS}, vis.visibility_reason, vis.grant_id FROM scope_messages m "
+        f"SELECT {MESSAGE_COLUMNS}, vis.visibility_reason, vis.grant_id FROM scope_messages m "
         f"{readable_join('m', '$2')} WHERE m.workspace_id = $1 AND m.scope_id = $3 AND m.seq < $4 "
         f"ORDER BY m.seq DESC LIMIT $5",
         workspace_id, viewer, scope_id, before_seq if before_seq is not None else 2**62, limit + 1,
@@ -248,7 +248,7 @@ async def _private_history(conn: asyncpg.Connection, workspace_id: str, viewer: 
         f"SELECT DISTINCT ON (candidate.seq) candidate.* FROM ("
         f"SELECT by_window.* FROM unnest($4::text[], $5::bigint[], $6::bigint[], $12::timestamptz[], "
         f"$13::bigint[], $14::bigint[]) AS w(author, lo_g, hi_g, expires_at, lo_s, hi_s) "
-        f"CROSS JOIN LATERAL (SELECT {_MESSAGE_COLUMNS}, m.workspace_id FROM scope_messages m "
+        f"CROSS JOIN LATERAL (SELECT {MESSAGE_COLUMNS}, m.workspace_id FROM scope_messages m "
         f"WHERE m.scope_id = $3 AND m.workspace_id = $1 AND m.author_member_id = w.author "
         f"AND m.workspace_global_seq >= greatest(coalesce(w.lo_g, 0), $9::bigint) "
         f"AND (w.hi_g IS NULL OR m.workspace_global_seq <= w.hi_g) "
@@ -256,7 +256,7 @@ async def _private_history(conn: asyncpg.Connection, workspace_id: str, viewer: 
         f"AND (w.lo_s IS NULL OR m.seq >= w.lo_s) AND (w.hi_s IS NULL OR m.seq <= w.hi_s) "
         f"AND {in_interval} AND {page_bound} "
         f"ORDER BY m.workspace_global_seq {order} LIMIT $8) by_window "
-        f"UNION ALL (SELECT {_MESSAGE_COLUMNS}, m.workspace_id FROM scope_messages m "
+        f"UNION ALL (SELECT {MESSAGE_COLUMNS}, m.workspace_id FROM scope_messages m "
         f"WHERE m.scope_id = $3 AND m.workspace_id = $1 "
         f"AND m.id IN ({visibility.quoted_sources_sql('$3', '$2')}) AND {page_bound} "
         f"ORDER BY m.workspace_global_seq {order} LIMIT $8)"
@@ -280,10 +280,20 @@ async def _private_history(conn: asyncpg.Connection, workspace_id: str, viewer: 
 async def message_for_viewer(conn: asyncpg.Connection, workspace_id: str, viewer: str,
                              message_id: str) -> asyncpg.Record | None:
     return await conn.fetchrow(
-        f"SELECT {_MESSAGE_COLUMNS}, vis.visibility_reason, vis.grant_id FROM scope_messages m "
+        f"SELECT {MESSAGE_COLUMNS}, vis.visibility_reason, vis.grant_id FROM scope_messages m "
         f"{readable_join('m', '$2')} WHERE m.workspace_id = $1 AND m.id = $3",
         workspace_id, viewer, message_id,
     )
+
+
+async def readable_messages(conn: asyncpg.Connection, workspace_id: str, viewer: str,
+                            message_ids: list[str]) -> list[asyncpg.Record]:
+    """Those of `message_ids` the viewer may read, visible, as history shows them, newest
+    first (search hits: checked again here, and one withdrawn meanwhile is left out)."""
+    return await conn.fetch(
+        f"SELECT {MESSAGE_COLUMNS} FROM scope_messages m WHERE m.workspace_id = $1 AND m.id = ANY($3::text[]) "
+        f"AND m.state = 'visible' AND {message_visibility_sql('m', '$2')} IS NOT NULL "
+        f"ORDER BY m.workspace_global_seq DESC", workspace_id, viewer, message_ids)
 
 
 async def message_revisions(conn: asyncpg.Connection, workspace_id: str, viewer: str,
@@ -328,7 +338,7 @@ async def workspace_feed(conn: asyncpg.Connection, workspace_id: str, viewer: st
                          limit: int) -> list[asyncpg.Record]:
     """The viewer's readable messages across the workspace, by global seq."""
     return await conn.fetch(
-        f"SELECT {_MESSAGE_COLUMNS} FROM scope_messages m WHERE m.workspace_id = $1 AND m.workspace_global_seq > $3 "
+        f"SELECT {MESSAGE_COLUMNS} FROM scope_messages m WHERE m.workspace_id = $1 AND m.workspace_global_seq > $3 "
         f"AND {message_visibility_sql('m', '$2')} IS NOT NULL ORDER BY m.workspace_global_seq LIMIT $4",
         workspace_id, viewer, after_global_seq, limit,
     )

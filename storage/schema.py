@@ -41,7 +41,8 @@ def timestamps() -> tuple[Column, Column]:
     return Column("created_at", TS, default=NOW), Column("updated_at", TS, default=NOW)
 
 
-# btree_gist: the membership interval exclusion; pg_trgm: message search.
+# btree_gist: the membership interval exclusion; pg_trgm: installed since version 1 (see
+# storage/search.py for why search indexes unsegmented text as bigrams instead).
 EXTENSIONS = ("btree_gist", "pg_trgm")
 ROLES = ("owner", "admin", "developer", "operator", "viewer")
 SCOPE_TYPES = ("channel", "dm", "thread", "task", "service_account", "workflow")
@@ -2336,6 +2337,151 @@ agent_participation_selections = introduced_in(6, Table(
     ),
 ))
 
+
+# --- version 7: attachments and message search ------------------------------------------------
+
+ATTACHMENT_DRIVERS = ("local", "s3")
+# collecting: being deleted (by the collector or an abort); its bytes may still exist.
+UPLOAD_STATES = ("uploading", "stored", "collecting")
+
+# A file uploaded into a scope (scope-model §3.11): unclaimed (message_id NULL) until a
+# message of its uploader in the same scope claims it in the send's transaction.  Reads
+# follow the owning message's visibility; the row is never a source of it.
+attachments = introduced_in(7, Table(
+    "attachments",
+    columns=(
+        Column("id", "text"),
+        Column("workspace_id", "text"),
+        Column("scope_id", "text"),
+        Column("message_id", "text", nullable=True),
+        Column("uploaded_by_member_id", "text"),
+        Column("storage_driver", "text"),
+        Column("storage_object_key", "text"),
+        Column("filename", "text"),
+        Column("label", "text"),
+        Column("content_type", "text"),
+        Column("byte_size", "bigint"),
+        Column("content_sha256", "text", nullable=True),
+        Column("upload_state", "text", default="'uploading'"),
+        Column("payload", "jsonb", default="'{}'::jsonb"),
+        Column("created_at", TS, default=NOW),
+        Column("stored_at", TS, nullable=True),
+        Column("claimed_at", TS, nullable=True),
+        # Its message was withdrawn: unreadable at once, its bytes the collector's.
+        Column("released_at", TS, nullable=True),
+    ),
+    primary_key=("id",),
+    uniques=(Unique("attachments_object_key", ("storage_driver", "storage_object_key")),),
+    checks=(
+        id_check("attachments", "id", "att"),
+        enum_check("attachments", "storage_driver", ATTACHMENT_DRIVERS),
+        enum_check("attachments", "upload_state", UPLOAD_STATES),
+        Check("attachments_byte_size_positive", "byte_size > 0"),
+        Check("attachments_sha256_format", "content_sha256 IS NULL OR content_sha256 ~ '^[0-9a-f]{64}$'"),
+        Check("attachments_stored_has_digest",
+              "upload_state <> 'stored' OR (content_sha256 IS NOT NULL AND stored_at IS NOT NULL)"),
+        Check("attachments_uploading_has_no_digest",
+              "upload_state <> 'uploading' OR (content_sha256 IS NULL AND stored_at IS NULL)"),
+        Check("attachments_claim_needs_stored", "message_id IS NULL OR upload_state IN ('stored', 'collecting')"),
+        Check("attachments_claimed_at_with_message", "(message_id IS NULL) = (claimed_at IS NULL)"),
+        Check("attachments_released_was_claimed", "released_at IS NULL OR message_id IS NOT NULL"),
+        Check("attachments_payload_object", "jsonb_typeof(payload) = 'object'"),
+    ),
+    foreign_keys=(
+        tenant_fk("attachments", ("workspace_id", "scope_id"), "scopes", ("workspace_id", "id"), "scope",
+                  on_delete="CASCADE"),
+        tenant_fk("attachments", ("scope_id", "message_id"), "scope_messages", ("scope_id", "id"), "message",
+                  on_delete="CASCADE"),
+        member_fk("attachments", "uploaded_by_member_id"),
+    ),
+    indexes=(
+        Index("attachments_message_idx", "scope_id, message_id", where="message_id IS NOT NULL"),
+        # The GC's scan and the per-member quota: unclaimed uploads by age / by uploader.
+        Index("attachments_unclaimed_idx", "created_at", where="message_id IS NULL"),
+        Index("attachments_unclaimed_member_idx", "workspace_id, uploaded_by_member_id",
+              where="message_id IS NULL"),
+        Index("attachments_released_idx", "released_at", where="released_at IS NOT NULL"),
+        Index("attachments_collecting_idx", "id", where="upload_state = 'collecting'"),
+    ),
+))
+
+# The search projection of a visible message (scope-model §3.15): written in the send's
+# transaction, rewritten by an edit, deleted by a withdrawal.  Never a source of read
+# access: every hit goes through the readable predicate of history.
+scope_message_search_docs = introduced_in(7, Table(
+    "scope_message_search_docs",
+    columns=(
+        Column("message_id", "text"),
+        Column("workspace_id", "text"),
+        Column("scope_id", "text"),
+        Column("seq", "bigint"),
+        Column("workspace_global_seq", "bigint"),
+        Column("author_member_id", "text"),
+        Column("created_at", TS),
+        Column("has_attachment", "boolean", default="false"),
+        Column("mention_member_ids", "text[]", default="'{}'::text[]"),
+        # The normalized content and attachment labels: confirms an unsegmented run as a substring.
+        Column("search_text", "text"),
+        Column("search_vector", "tsvector"),
+    ),
+    primary_key=("message_id",),
+    foreign_keys=(
+        tenant_fk("scope_message_search_docs", ("scope_id", "message_id"), "scope_messages", ("scope_id", "id"),
+                  "message", on_delete="CASCADE"),
+        tenant_fk("scope_message_search_docs", ("workspace_id", "scope_id"), "scopes", ("workspace_id", "id"),
+                  "scope", on_delete="CASCADE"),
+    ),
+    indexes=(
+        Index("scope_message_search_docs_vector_idx", "search_vector", using="gin"),
+        # Newest first within the workspace (the result order and the cursor).
+        Index("scope_message_search_docs_order_idx", "workspace_id, workspace_global_seq DESC"),
+        Index("scope_message_search_docs_scope_idx", "scope_id, workspace_global_seq DESC"),
+        # The filters, for searches made of filters alone.
+        Index("scope_message_search_docs_author_idx", "workspace_id, author_member_id, workspace_global_seq DESC"),
+        Index("scope_message_search_docs_time_idx", "workspace_id, created_at"),
+        Index("scope_message_search_docs_attachment_idx", "workspace_id, workspace_global_seq DESC",
+              where="has_attachment"),
+        Index("scope_message_search_docs_mentions_idx", "mention_member_ids", using="gin"),
+    ),
+))
+
+SEARCH_STEP_STATES = ("pending", "complete")
+
+# Search readiness per scope (scope-model §3.16): a row for each scope that had messages
+# when version 7 was applied, until `scopewire search backfill` and `finalize` make it
+# ready.  A scope without a row is ready: it was indexed from its first message.
+scope_message_search_state = introduced_in(7, Table(
+    "scope_message_search_state",
+    columns=(
+        Column("scope_id", "text"),
+        Column("workspace_id", "text"),
+        Column("migration_state", "text", default="'complete'"),
+        Column("backfill_state", "text", default="'pending'"),
+        Column("finalize_state", "text", default="'pending'"),
+        Column("read_ready", "boolean", default="false"),
+        # Messages with seq above this are the ones the backfill has yet to index.
+        Column("backfill_cursor_seq", "bigint", default="0"),
+        Column("backfilled_docs", "bigint", default="0"),
+        *timestamps(),
+    ),
+    primary_key=("scope_id",),
+    checks=(
+        enum_check("scope_message_search_state", "migration_state", SEARCH_STEP_STATES),
+        enum_check("scope_message_search_state", "backfill_state", SEARCH_STEP_STATES),
+        enum_check("scope_message_search_state", "finalize_state", SEARCH_STEP_STATES),
+        Check("scope_message_search_state_ready_needs_complete",
+              "NOT read_ready OR (migration_state = 'complete' AND backfill_state = 'complete' "
+              "AND finalize_state = 'complete')"),
+        Check("scope_message_search_state_finalize_after_backfill",
+              "finalize_state = 'pending' OR backfill_state = 'complete'"),
+    ),
+    foreign_keys=(
+        tenant_fk("scope_message_search_state", ("workspace_id", "scope_id"), "scopes", ("workspace_id", "id"),
+                  "scope", on_delete="CASCADE"),
+    ),
+    indexes=(Index("scope_message_search_state_pending_idx", "workspace_id", where="NOT read_ready"),),
+))
+
 SCHEMA = Schema(
     tables=(
         instance_metadata,
@@ -2405,6 +2551,9 @@ SCHEMA = Schema(
         audience_mention_grants,
         audience_mention_uses,
         agent_participation_selections,
+        attachments,
+        scope_message_search_docs,
+        scope_message_search_state,
     ),
     versions=(
         Version(1, "tenancy kernel and message domain",
@@ -2425,6 +2574,13 @@ SCHEMA = Schema(
                    "broadcasts, fenced deliveries, workspace placements, moderation log"),
         Version(6, "strands: task boards, strand rows, assignments, watches, the default strand, "
                    "audience-mention policy and grants, agent participation"),
+        Version(7, "attachments and message search: uploads claimed by messages, the search projection "
+                   "and its readiness", after=(
+            # Messages written before version 7 have no search docs yet: their scopes stay
+            # unsearchable until `scopewire search backfill` and `finalize` (§3.16).
+            "INSERT INTO scope_message_search_state (scope_id, workspace_id) "
+            "SELECT id, workspace_id FROM scopes WHERE latest_seq > 0 ON CONFLICT DO NOTHING",
+        )),
     ),
     extensions=EXTENSIONS,
 )

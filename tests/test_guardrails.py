@@ -83,8 +83,9 @@ async def test_a_send_writes_the_same_rows_whatever_the_audience(app: App, tenan
     before = await app.db.run(total_rows)
     await app.server.registry.submit(scope_id, Send(actor, MessageIntent(scope_id=scope_id, content="measured")))
     written = await app.db.run(total_rows) - before
-    # One message row and one outbox row (counters are updates).
-    assert written == 2
+    # The message row, its search doc (a projection, scope-model §9) and one outbox row
+    # (counters are updates).
+    assert written == 3
 
 
 def _roster_writers() -> set[str]:

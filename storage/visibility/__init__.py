@@ -35,12 +35,13 @@ from storage.visibility.predicate import (
     private_reader_windows,
     quoted_sources_sql,
     readable_join,
+    readable_scope_sets,
     scope_readable_sql,
 )
 
 __all__ = [
     "ENTITLED_MEMBERSHIPS", "INBOX_MEMBERSHIPS", "entitled_for_message", "entitled_roster", "explain_message", "fetch_custom_plan",
-    "message_readable_sql", "message_visibility_sql", "ReaderWindows", "private_reader_windows", "quoted_sources_sql", "readable_join", "roster_entries", "scope_authority",
+    "message_readable_sql", "message_visibility_sql", "ReaderWindows", "private_reader_windows", "quoted_sources_sql", "readable_join", "readable_scope_sets", "roster_entries", "scope_authority",
     "scope_members", "scope_readable_sql", "typing_audience", "viewer_membership",
 ]
 

@@ -64,6 +64,25 @@ async def fetch_custom_plan(conn: asyncpg.Connection, query: str, *args) -> list
     return await statement.fetch(*args)
 
 
+async def readable_scope_sets(conn: asyncpg.Connection, workspace_id: str,
+                              viewer: str) -> tuple[list[str], list[str]]:
+    """The scopes `viewer` reads: (those it reads every message of — open public
+    memberships, the task scopes of its board channels; those it reads message by
+    message, through a private membership).  A narrowing for searches:
+    message_visibility_sql still decides each message."""
+    rows = await conn.fetch(
+        f"SELECT rs.scope_id, rs.visibility FROM scope_memberships rs WHERE rs.workspace_id = $1 "
+        f"AND rs.member_id = $2 AND rs.effective_to_seq IS NULL AND rs.visibility IN ('public', 'private') "
+        f"AND {_ACTIVE.format(ms='rs')} "
+        f"UNION ALL SELECT ts.id, 'public' FROM scopes ts WHERE ts.workspace_id = $1 AND ts.type = 'task' "
+        f"AND ts.parent_scope_id IN (SELECT cm.scope_id FROM scope_memberships cm WHERE cm.workspace_id = $1 "
+        f"AND cm.member_id = $2 AND cm.effective_to_seq IS NULL AND cm.visibility = 'public') "
+        f"AND {task_reader_sql('ts.id', '$2')} IS NOT NULL",
+        workspace_id, viewer)
+    return ([r["scope_id"] for r in rows if r["visibility"] == "public"],
+            [r["scope_id"] for r in rows if r["visibility"] == "private"])
+
+
 def window_sql(row: str, message: str, kind: str) -> str:
     """Was `message` written inside the grant (kind 'grant') or People collaborator
     ('collaborator') window `row`?  By workspace_global_seq, and for an expiring
