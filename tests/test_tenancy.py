@@ -415,6 +415,16 @@ async def test_every_command_probed_across_workspaces_answers_not_found(app: App
             "delivery.ack": [dict(b, delivery_seqs=[1])],
             "delivery.unsubscribe": [b],
             "delivery.list": [b],
+            # Search and attachments: Beta's workspace id (their own cross-workspace probes with
+            # Beta's resources are in test_search and test_attachments).
+            "message.search": [dict(b, query="anything")],
+            "attachment.upload.begin": [dict(b, scope_id="scp_00000000000000", filename="x.txt",
+                                             content_type="text/plain", byte_size=1)],
+            "attachment.upload.chunk": [dict(b, attachment_id="att_00000000000000", offset=0, data="eA==")],
+            "attachment.upload.finish": [dict(b, attachment_id="att_00000000000000")],
+            "attachment.upload.abort": [dict(b, attachment_id="att_00000000000000")],
+            "attachment.get": [dict(b, attachment_id="att_00000000000000")],
+            "attachment.read": [dict(b, attachment_id="att_00000000000000")],
         }
         tenancy_ops = {cls.__struct_config__.tag for cls in frames.CLIENT_FRAMES
                        if issubclass(cls, frames.WorkspaceRequest) and cls not in messaging.HANDLERS
