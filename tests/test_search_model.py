@@ -25,24 +25,19 @@ from __future__ import annotations
 
 import itertools
 import re
-import threading
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 
-import trio
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 from client import ClientError, connect
 from server import tenancy as ops
-from server.app import Server
-from server.auth import Authenticator
 from server.config import ServerConfig
-from server.credentials import SessionSigner
 from storage import search, tenancy
-from storage.bridge import Database, PoolSettings
+from storage.bridge import Database
 from tests.conftest import MEMBER_PASSWORD
+from tests.server_thread import ServerThread
 
 VOCABULARY = ("apple", "banana", "cherry", "delta", "echo")
 CJK_ALPHABET = "搜索全文功能テスト"
@@ -300,59 +295,16 @@ async def run_program(base: Base, number: int, program: list[tuple], queries: li
 
 # --- one server for every example -----------------------------------------------------------------------
 
-class ServerThread:
-    """The server and its database pool in a trio loop of their own, so every example
-    runs against the same running server (hypothesis drives the examples from the
-    test's thread)."""
-
-    def __init__(self, dsn: str, password_hash: str) -> None:
-        self.dsn, self.password_hash = dsn, password_hash
-        self._ready = threading.Event()
-        self._failure: BaseException | None = None
-        self._thread = threading.Thread(target=self._main, daemon=True)
-
-    def __enter__(self) -> ServerThread:
-        self._thread.start()
-        started = self._ready.wait(120)
-        if self._failure is not None:
-            raise self._failure
-        assert started, "the server did not start"
-        return self
-
-    def __exit__(self, *exc) -> None:
-        trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
-        self._thread.join(30)
-
-    def run(self, fn, *args):
-        return trio.from_thread.run(fn, *args, trio_token=self._token)
-
-    def _main(self) -> None:
-        try:
-            trio.run(self._serve)
-        except BaseException as exc:  # reported to the test's thread
-            self._failure = exc
-            self._ready.set()
-
-    async def _serve(self) -> None:
-        config = ServerConfig(port=0, auth_timeout_seconds=5.0, shutdown_grace_seconds=1.0,
-                              search_candidate_budget=CANDIDATE_BUDGET)
-        async with Database(self.dsn, PoolSettings(min_size=1, max_size=10)) as db, \
-                trio.open_nursery() as nursery:
-            server = Server(config, db, Authenticator(db, SessionSigner(Ed25519PrivateKey.generate()),
-                                                     config.session_ttl_seconds))
-            await nursery.start(server.run)
-            first = await ops.init_instance(db, email="o@example.com", display_name="O", workspace_name="Home",
-                                            workspace_slug="home", edition="multi", password=MEMBER_PASSWORD)
-            accounts = {"O": first.account_id}
-            for person in ("B", "C"):
-                accounts[person] = await db.transaction(tenancy.create_account, f"{person.lower()}@example.com",
-                                                        person, self.password_hash)
-            instance_id = await db.run(tenancy.instance_id)
-            self.base = Base(f"ws://127.0.0.1:{server.port}", db, instance_id, accounts)
-            self._token, self._stop = trio.lowlevel.current_trio_token(), trio.Event()
-            self._ready.set()
-            await self._stop.wait()
-            nursery.cancel_scope.cancel()
+async def _home(db: Database, url: str, password_hash: str) -> Base:
+    """The workspace's owner O and the accounts of B and C (each example adds its own workspace)."""
+    first = await ops.init_instance(db, email="o@example.com", display_name="O", workspace_name="Home",
+                                    workspace_slug="home", edition="multi", password=MEMBER_PASSWORD)
+    accounts = {"O": first.account_id}
+    for person in ("B", "C"):
+        accounts[person] = await db.transaction(tenancy.create_account, f"{person.lower()}@example.com",
+                                                person, password_hash)
+    instance_id = await db.run(tenancy.instance_id)
+    return Base(url, db, instance_id, accounts)
 
 
 # --- the program ------------------------------------------------------------------------------------------
@@ -396,7 +348,9 @@ def test_search_hits_are_what_the_model_says(database_dsn, member_password_hash,
     # the full-text index) on corpora of a few messages.
     monkeypatch.setattr(search, "RECENT_WINDOWS", (2, 3))
     numbers = itertools.count(1)
-    with ServerThread(database_dsn, member_password_hash) as server:
+    config = ServerConfig(port=0, auth_timeout_seconds=5.0, shutdown_grace_seconds=1.0,
+                          search_candidate_budget=CANDIDATE_BUDGET)
+    with ServerThread(database_dsn, config, lambda db, url: _home(db, url, member_password_hash)) as server:
 
         # Shrinking would re-run whole programs against the server; the failure names the
         # reader, the query and the hits instead.
