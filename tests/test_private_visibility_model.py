@@ -958,6 +958,13 @@ async def run_program(base: Base, number: int, program: list[tuple]) -> None:
 
 # --- one server for every example -------------------------------------------------------------------------
 
+def people_server(dsn: str, password_hash: str) -> ServerThread:
+    """A server in a thread of its own whose `base` is _people's workspace (shared by the
+    hypothesis models of routed delivery and strands)."""
+    config = ServerConfig(port=0, auth_timeout_seconds=5.0, shutdown_grace_seconds=1.0)
+    return ServerThread(dsn, config, lambda db, url: _people(db, url, password_hash))
+
+
 async def _people(db: Database, url: str, password_hash: str) -> Base:
     """The workspace: O1 (owner), O2 (admin), H (operator), the service S, and an
     API key for each, made by O1."""
@@ -1060,8 +1067,7 @@ SCENARIOS = (
 
 def test_private_agents_read_and_receive_what_the_model_allows(database_dsn, member_password_hash):
     numbers = itertools.count(1)
-    config = ServerConfig(port=0, auth_timeout_seconds=5.0, shutdown_grace_seconds=1.0)
-    with ServerThread(database_dsn, config, lambda db, url: _people(db, url, member_password_hash)) as server:
+    with people_server(database_dsn, member_password_hash) as server:
 
         # Shrinking would re-run whole programs against the server for minutes; the
         # failure names the step, the scope, the message and the rule instead.

@@ -18,7 +18,7 @@ eventually delivered), acks them, and the feed lists each sent mention once,
 acked, with `delivery_seq` 1..N gap-free; the next mention is the next push.
 
 Examples share one server and workspace (tests/test_private_visibility_model.py's
-ServerThread); each makes its own agent and channel."""
+people_server); each makes its own agent and channel."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 
 from client import connect
 from tests.conftest import MEMBER_PASSWORD
-from tests.test_private_visibility_model import Base, ServerThread
+from tests.test_private_visibility_model import Base, people_server
 
 WAIT_SECONDS = 20  # bound on a push the protocol guarantees, on a busy machine
 
@@ -197,7 +197,7 @@ SCENARIOS = (
 
 def test_routed_feed_survives_random_schedules_of_sends_acks_and_reconnects(database_dsn, member_password_hash):
     numbers = itertools.count(1)
-    with ServerThread(database_dsn, member_password_hash) as server:
+    with people_server(database_dsn, member_password_hash) as server:
 
         # No shrinking: it would re-run whole programs against the server; the
         # assertion names the step and the model state instead.

@@ -29,7 +29,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from client import ClientError, connect
 from domain import strands as domain
 from tests.conftest import MEMBER_PASSWORD
-from tests.test_private_visibility_model import ServerThread
+from tests.server_thread import ServerThread
+from tests.test_private_visibility_model import people_server
 
 # --- the model ---------------------------------------------------------------------------------------------
 
@@ -403,7 +404,7 @@ class StrandMachine(RuleBasedStateMachine):
 
 
 def test_strand_writes_follow_the_model_on_the_live_server(database_dsn, member_password_hash):
-    with ServerThread(database_dsn, member_password_hash) as server:
+    with people_server(database_dsn, member_password_hash) as server:
         tokens = {who: server.run(_login, server.base.url, f"{who.lower()}@example.com") for who in MEMBERS}
         # First the cases that matter, spelled out (each judged by the model, the state checked after each).
         scripted = StrandMachine(server, tokens)
