@@ -95,6 +95,8 @@ class DeliveryRouter:
         self._work_send, self._work = trio.open_memory_channel[tuple[str, Any]](math.inf)
         self.handed_out = 0
         self.suppressed = 0
+        # Also told of every offer, for the other nodes' subscribers (server/cluster.py).
+        self.relay: Callable[[list[RoutedDelivery]], None] | None = None
 
     @property
     def subscription_count(self) -> int:
@@ -105,6 +107,16 @@ class DeliveryRouter:
     def offer(self, offered: list[RoutedDelivery]) -> None:
         """Committed deliveries to hand out now (their outbox rows are settled once offered)."""
         self._work_send.send_nowait(("offer", offered))
+        if self.relay is not None:
+            self.relay(offered)
+
+    def wake(self, feeds: list[tuple[str, str]]) -> None:
+        """Another node committed deliveries to these (workspace, member) feeds: the
+        connections subscribed to them here fill from the ledger now, not at the sweep."""
+        for feed in feeds:
+            for subscription in self._subscriptions.get(feed, ()):
+                subscription.behind = True
+                self._work_send.send_nowait(("fill", subscription))
 
     def subscribe(self, subscription: FeedSubscription) -> None:
         self._subscriptions[subscription.feed].append(subscription)

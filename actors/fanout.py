@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any, Protocol
 
 
@@ -55,6 +56,8 @@ class Subscription:
 
 class FanoutHub:
     def __init__(self) -> None:
+        # Also handed every publication, for other nodes (server/cluster_fanout.py).
+        self.relay: Callable[[list[tuple[CommittedEvent, Any]]], None] | None = None
         self._by_scope: dict[str, set[Subscription]] = defaultdict(set)
         self._by_workspace: dict[str, set[Subscription]] = defaultdict(set)
         self.published = 0
@@ -102,11 +105,19 @@ class FanoutHub:
     def publish(self, event: CommittedEvent, roster: frozenset[str] | set[str] | None = None) -> None:
         self.publish_many([(event, roster)])
 
-    def publish_many(self, items: list[tuple[CommittedEvent, frozenset[str] | set[str] | None]]) -> None:
+    def followers(self, workspace_id: str, scope_id: str) -> set[str]:
+        """The members following the scope, or its workspace, here."""
+        found = {s.member_id for s in self._by_scope.get(scope_id, ())}
+        found.update(s.member_id for s in self._by_workspace.get(workspace_id, ()))
+        return found
+
+    def publish_many(self, items: list[tuple[CommittedEvent, frozenset[str] | set[str] | None]], *,
+                     relay: bool = True) -> None:
         """Hand each event, in order, to every subscriber entitled to it: a
         follower of the scope or of its workspace whose member is in the roster
         (or the event's own audience).  A batch of events leaves in one write
-        per connection.  Never blocks."""
+        per connection.  Never blocks.  Unless it came from another node
+        (`relay=False`), the publication then goes to the relay too."""
         pending: dict[Subscription, list[bytes]] = {}
         single = len(items) == 1
         delivered = delivered_bytes = 0
@@ -142,3 +153,5 @@ class FanoutHub:
                 subscription.sink.write(frames)
         self.delivered += delivered
         self.delivered_bytes += delivered_bytes
+        if relay and self.relay is not None:
+            self.relay(items)

@@ -8,15 +8,47 @@ import logging
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 
 from actors.fanout import FanoutHub
-from actors.scope_actor import ActorUnavailable, Command, ScopeActor
+from actors.scope_actor import ActorUnavailable, Command, CreateScope, Reply, ScopeActor
 from storage.bridge import Database
+from storage.errors import DatabaseUnavailable, LeaseLost
 
 log = logging.getLogger("scopewire.actors")
+
+# How long a peer is taken to own a scope before the lease row is read again: a forward
+# to a node that no longer owns it is answered LeaseLost and looked up at once anyway.
+OWNER_CACHE_SECONDS = 5.0
+# Waits between attempts to reach a scope's owner (or to take its lease once it expired).
+FORWARD_RETRY_FIRST_SECONDS = 0.05
+FORWARD_RETRY_MAX_SECONDS = 1.0
+
+
+class Owner(Protocol):
+    """A scope's owner as the lease row names it (storage.leases.Ownership)."""
+
+    node_id: str
+    epoch: int
+    forward_address: str
+
+
+class Ownership(Protocol):
+    """This node's side of the scope leases (server/cluster.py)."""
+
+    node_id: str
+
+    async def acquire(self, scope_id: str, *, creating: bool = False) -> Owner:
+        """Take the scope's lease or name its owner; NotFound for a scope that does not
+        exist unless `creating` it."""
+
+    async def release(self, scope_id: str, epoch: int) -> None: ...
+
+    async def forward(self, owner: Owner, scope_id: str, command: Command) -> Any:
+        """Run `command` at `owner`; LeaseLost when it does not own the scope or cannot be
+        reached before the command was handed over (so it is safe to send again)."""
 
 # Seconds the current task has spent waiting on scope actors (submit to reply);
 # the server reads it to time a command's "actor" phase.
@@ -27,8 +59,14 @@ class ScopeRegistry:
     def __init__(self, db: Database, hub: FanoutHub, nursery: trio.Nursery, *, idle_seconds: float = 30.0,
                  outbox_wake: Callable[[], None] | None = None, submit_timeout_seconds: float = 30.0,
                  mailbox_size: int = 1024, on_commit: Callable[[int, float], None] | None = None,
-                 offer_deliveries: Callable[[list], None] | None = None) -> None:
+                 offer_deliveries: Callable[[list], None] | None = None,
+                 ownership: Ownership | None = None) -> None:
         self.db = db
+        # Scope leases across nodes (server/cluster.py); None: this process owns every scope.
+        self.ownership = ownership
+        # Scopes another node owns, until when that is trusted without asking the database again.
+        self._owners: dict[str, tuple[Owner, float]] = {}
+        self._acquiring: dict[str, trio.Event] = {}
         self.offer_deliveries = offer_deliveries
         self.on_commit = on_commit
         # Actors start in this context, not in that of the connection whose command
@@ -45,25 +83,61 @@ class ScopeRegistry:
         # Wall time as actors see it (audience-mention quotas): injectable, so tests drive the window.
         self.clock: Callable[[], datetime] = lambda: datetime.now(timezone.utc)
 
-    def _actor_for(self, scope_id: str) -> ScopeActor:
-        actor = self._actors.get(scope_id)
-        if actor is None or actor.stopped:
-            actor = ScopeActor(scope_id, self.db, self.hub, self.outbox_wake, self.idle_seconds, self.mailbox_size,
-                               self.on_commit, self.offer_deliveries, clock=lambda: self.clock())
-            self._actors[scope_id] = actor
-            self._context.run(self._nursery.start_soon, self._supervise, actor)
+    def _start_actor(self, scope_id: str, lease: tuple[str, int] | None) -> ScopeActor:
+        actor = ScopeActor(scope_id, self.db, self.hub, self.outbox_wake, self.idle_seconds, self.mailbox_size,
+                           self.on_commit, self.offer_deliveries, clock=lambda: self.clock(), lease=lease)
+        self._actors[scope_id] = actor
+        self._context.run(self._nursery.start_soon, self._supervise, actor)
         return actor
+
+    async def _route(self, scope_id: str, *, forwarded: bool, creating: bool = False) -> ScopeActor | Owner:
+        """This node's actor for the scope (started, taking the lease, when the scope is
+        free), or the node that owns it.  A forwarded command never goes further: a node
+        that does not own the scope answers LeaseLost and the sender looks again."""
+        while True:
+            actor = self._actors.get(scope_id)
+            if actor is not None and not actor.stopped:
+                return actor
+            if self.ownership is None:
+                return self._start_actor(scope_id, None)
+            known = self._owners.get(scope_id)
+            if known is not None and known[1] > trio.current_time() and not forwarded:
+                return known[0]
+            pending = self._acquiring.get(scope_id)
+            if pending is not None:  # one acquisition per scope at a time
+                await pending.wait()
+                continue
+            self._acquiring[scope_id] = done = trio.Event()
+            try:
+                owner = await self.ownership.acquire(scope_id, creating=creating)
+            finally:
+                del self._acquiring[scope_id]
+                done.set()
+            if owner.node_id == self.ownership.node_id:
+                return self._start_actor(scope_id, (owner.node_id, owner.epoch))
+            if forwarded:
+                raise LeaseLost(f"node {self.ownership.node_id} does not own scope {scope_id}")
+            self._owners[scope_id] = (owner, trio.current_time() + OWNER_CACHE_SECONDS)
+            return owner
 
     async def _supervise(self, actor: ScopeActor) -> None:
         try:
             await actor.run()
+        except LeaseLost:
+            log.info("scope taken over by another node", extra={"scope_id": actor.scope_id})
         except Exception:
             log.exception("scope actor crashed", extra={"scope_id": actor.scope_id})
         finally:
             if self._actors.get(actor.scope_id) is actor:
                 del self._actors[actor.scope_id]
+        if actor.lease is not None and actor.lease_lost is None and self.ownership is not None:
+            # Idle: give the scope back at once, so another node need not wait for our lease to run out.
+            try:
+                await self.ownership.release(actor.scope_id, actor.lease[1])
+            except DatabaseUnavailable:
+                pass  # it stays ours until this node's lease runs out
 
-    async def submit(self, scope_id: str, command: Command) -> Any:
+    async def submit(self, scope_id: str, command: Command, *, forwarded: bool = False) -> Any:
         """Hand `command` to the scope's actor and wait for its reply.  The
         mailbox is bounded: a full mailbox makes callers wait (backpressure),
         but never longer than `submit_timeout_seconds` in all (then
@@ -71,20 +145,47 @@ class ScopeRegistry:
         idempotent retry resolves)."""
         started = time.perf_counter()
         try:
-            return await self._submit(scope_id, command)
+            return await self._submit(scope_id, command, forwarded)
         finally:
             actor_seconds.set(actor_seconds.get() + time.perf_counter() - started)
 
-    async def _submit(self, scope_id: str, command: Command) -> Any:
+    async def _submit(self, scope_id: str, command: Command, forwarded: bool) -> Any:
         with trio.move_on_after(self.submit_timeout_seconds):
-            for _ in range(3):
-                actor = self._actor_for(scope_id)
+            backoff = FORWARD_RETRY_FIRST_SECONDS
+            while True:
                 try:
-                    await actor.mailbox.send(command)
-                except (trio.ClosedResourceError, trio.BrokenResourceError):
-                    continue  # it went idle just now: start a fresh one
-                return await command.reply.wait()
-            raise ActorUnavailable("could not reach the scope actor; retry")
+                    target = await self._route(scope_id, forwarded=forwarded,
+                                               creating=isinstance(command, CreateScope))
+                except LeaseLost:
+                    if forwarded:
+                        raise
+                    await trio.sleep(backoff)  # the lease changed hands meanwhile: look again
+                    backoff = min(backoff * 2, FORWARD_RETRY_MAX_SECONDS)
+                    continue
+                if isinstance(target, ScopeActor):
+                    try:
+                        await target.mailbox.send(command)
+                    except (trio.ClosedResourceError, trio.BrokenResourceError):
+                        continue  # it went idle just now: start a fresh one
+                    try:
+                        return await command.reply.wait()
+                    except LeaseLost:
+                        if forwarded:
+                            raise
+                        command.reply = Reply()  # nothing committed: run it at the new owner
+                        continue
+                assert self.ownership is not None
+                try:
+                    return await self.ownership.forward(target, scope_id, command)
+                except ActorUnavailable:
+                    self._owners.pop(scope_id, None)  # whoever comes next asks the lease row again
+                    raise
+                except LeaseLost:
+                    # It is not (or no longer) the owner, or it cannot be reached: look again,
+                    # which takes the lease once the owner's has run out.
+                    self._owners.pop(scope_id, None)
+                    await trio.sleep(backoff)
+                    backoff = min(backoff * 2, FORWARD_RETRY_MAX_SECONDS)
         raise ActorUnavailable("the scope actor did not answer in time; retry")
 
     def is_live(self, scope_id: str) -> bool:

@@ -8,10 +8,10 @@ neighbours.  After commit it replies to every caller; the committed events are
 published while the next batch's transaction runs (or at once when the mailbox
 is empty), and the inline outbox rows are marked in the transaction after that.
 
-Cross-process note: seq allocation is an UPDATE ... RETURNING on the scope row
-and global seq allocation locks the workspace counter row, so even two
-processes writing one scope cannot produce duplicate or out-of-order numbers;
-the actor's cached roster is what a second process could make stale.
+Across processes: an actor runs only on the node holding the scope's lease
+(storage/leases.py), and every write transaction passes the lease's fence
+first, so a former owner commits nothing once another node took over (the
+actor then stops, and its callers' commands run at the new owner).
 """
 
 from __future__ import annotations
@@ -47,10 +47,10 @@ from domain.authority import ScopeAuthority, private_read_reason
 from domain.routing import RoutedDelivery
 from domain.strands import effective_level
 from domain.routing import AUDIENCE_MENTION, REACTION, SILENCED_STATES, UNPUSHED_STATES, WATCH, Route
-from storage import applier, deliveries, messages, private_authority, strands, tenancy, visibility
+from storage import applier, deliveries, leases, messages, private_authority, strands, tenancy, visibility
 from storage import attachments as attachment_rows
 from storage.bridge import Database
-from storage.errors import Conflict, DatabaseUnavailable, NotFound, StorageError, WriteFenced
+from storage.errors import Conflict, DatabaseUnavailable, LeaseLost, NotFound, StorageError, WriteFenced
 
 log = logging.getLogger("scopewire.actors")
 
@@ -110,6 +110,16 @@ class Command:
     reply: Reply = field(default_factory=Reply, init=False)
     # Refused unless the acting member is in the scope's roster.
     requires_membership: ClassVar[bool] = True
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Forwarded to the owning node (server/cluster.py) without the caller's reply slot.
+        state = dict(self.__dict__)
+        del state["reply"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.reply = Reply()
 
     async def prelock(self, conn: asyncpg.Connection) -> None:
         """Rows this command locks before anything else in its batch transaction: a lock that
@@ -231,8 +241,13 @@ class ScopeActor:
                  idle_seconds: float = 30.0, mailbox_size: int = 1024,
                  on_commit: Callable[[int, float], None] | None = None,
                  offer_deliveries: Callable[[list[RoutedDelivery]], None] | None = None,
-                 clock: Callable[[], datetime] | None = None) -> None:
+                 clock: Callable[[], datetime] | None = None, lease: tuple[str, int] | None = None) -> None:
         self.scope_id = scope_id
+        # (node id, epoch) of this node's ownership lease (storage/leases.py): every write
+        # transaction passes its fence first.  None: a single process without leases.
+        self.lease = lease
+        # Set when the lease was lost: the commands still queued must run at the new owner.
+        self.lease_lost: LeaseLost | None = None
         self.clock = clock or (lambda: datetime.now(timezone.utc))
         # Audience mentions of the running batch's sends that passed their checks: plan index → audiences.
         self._audiences: dict[int, tuple[str, ...]] = {}
@@ -323,7 +338,7 @@ class ScopeActor:
         finally:
             self.stopped = True
             self.mailbox.close()
-            error = ActorUnavailable("scope actor stopped; retry")
+            error = self.lease_lost or ActorUnavailable("scope actor stopped; retry")
             while True:
                 try:
                     self._inbox.receive_nowait().reply.fail(error)
@@ -349,6 +364,13 @@ class ScopeActor:
                                                                  batch, settling)
             else:
                 outcomes = await self.db.transaction(self._apply_batch, batch, settling)
+        except LeaseLost as exc:
+            # Another node owns the scope now: nothing of this batch committed, and this
+            # actor must not write again; its callers retry at the owner.
+            self.lease_lost = exc
+            for command in batch:
+                command.reply.fail(exc)
+            raise
         except (StorageError, asyncpg.PostgresError) as exc:
             if self.state is not None and self.state.type == "task":
                 await self._reload()  # the batch's in-memory strand updates (participants) rolled back with it
@@ -402,6 +424,10 @@ class ScopeActor:
                 continue
             try:
                 outcome = await self.db.transaction(self._apply_create, command)
+            except LeaseLost as exc:
+                self.lease_lost = exc
+                command.reply.fail(exc)
+                raise
             except (StorageError, Refused, asyncpg.PostgresError) as exc:
                 command.reply.fail(exc)
                 continue
@@ -411,7 +437,12 @@ class ScopeActor:
             publication.items += [(event, self._roster_set) for event in outcome.events]
         return publication
 
+    async def _pass_lease_fence(self, conn: asyncpg.Connection) -> None:
+        if self.lease is not None:
+            await leases.pass_scope_fence(conn, self.scope_id, *self.lease)
+
     async def _apply_create(self, conn: asyncpg.Connection, command: CreateScope) -> Outcome:
+        await self._pass_lease_fence(conn)
         actor = command.actor
         await tenancy.pass_write_fence(conn, actor.workspace_id, actor.execution_generation)
         scope_id = await applier.insert_scope(
@@ -519,10 +550,14 @@ class ScopeActor:
         if publication.wake_outbox and self.outbox_wake is not None:
             self.outbox_wake()
 
+    async def _apply_settle(self, conn: asyncpg.Connection, settling: list[str]) -> None:
+        await self._pass_lease_fence(conn)
+        await applier.settle_inline_delivered(conn, self.scope_id, settling)
+
     async def _settle(self) -> None:
         settling = list(self._unsettled)
         try:
-            await self.db.transaction(applier.settle_inline_delivered, self.scope_id, settling)
+            await self.db.transaction(self._apply_settle, settling)
         except DatabaseUnavailable:
             pass  # the outbox worker replays after the grace period
         finally:
@@ -530,6 +565,7 @@ class ScopeActor:
 
     async def _apply_batch(self, conn: asyncpg.Connection, batch: list[Command], settling: list[str]) -> list[Any]:
         assert self.state is not None
+        await self._pass_lease_fence(conn)
         if self.state.type == "task":
             # A task's roster is its board channel's readers: re-read when the channel's moved.
             await self._refresh_parent(conn)

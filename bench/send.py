@@ -9,7 +9,8 @@ amortization, so the targets are evaluated on the durable cluster):
                trio tasks, each a distinct agent member of the scope, until --messages total.
                  actor     `ScopeRegistry.submit(scope, Send(...))`: the scope's actor commits
                            whatever is queued in one transaction (group commit), then settles
-                           the inline outbox rows in a second one.
+                           the inline outbox rows in a second one; it holds the scope's lease
+                           and every transaction passes the lease's fence, as in `serve`.
                  baseline  same tasks, same bridge, one transaction per message doing what a
                            one-message batch does: execution-state FOR SHARE check,
                            plan_message (ScopeContext loaded once, no mentions),
@@ -75,6 +76,7 @@ from actors.fanout import FanoutHub  # noqa: E402
 from domain.plan import ActorContext, CommittedMessage, MessageIntent, ScopeContext  # noqa: E402
 from actors.planner import plan_message  # noqa: E402
 from actors.registry import ScopeRegistry  # noqa: E402
+from server.cluster import NodeLease  # noqa: E402
 from actors.scope_actor import Send  # noqa: E402
 from server.tenancy import init_instance  # noqa: E402
 from storage import applier, messages, tenancy  # noqa: E402
@@ -264,6 +266,20 @@ class Fixture:
         return ActorContext(self.workspace_id, self.agents[index], "agent", self.owner_member_id, self.generation)
 
 
+class _OneNode(NodeLease):
+    """The server's scope ownership, as `scopewire serve` runs it (every batch passes its
+    lease's fence), for a node that never meets another (no forwarding link)."""
+
+    async def forward(self, owner, scope_id, command):
+        raise AssertionError("a one-node benchmark never forwards")
+
+
+async def _one_node(db: Database) -> _OneNode:
+    node = _OneNode(db, new_id("nod"), 3600.0)
+    await node.register()
+    return node
+
+
 async def _create_scope_with(db: Database, fx_workspace: str, owner: str, member_ids: list[str]) -> str:
     async def unit(conn: asyncpg.Connection) -> str:
         scope_id = await applier.create_scope(conn, workspace_id=fx_workspace, type="channel", created_by=owner,
@@ -424,7 +440,8 @@ def run_throughput(side: str, fx: Fixture, args: argparse.Namespace, n: int, poo
             actors = [fx.agent_actor(i) for i in range(args.senders)]
             async with trio.open_nursery() as nursery:
                 if side == "actor":
-                    registry = ScopeRegistry(db, FanoutHub(), nursery, idle_seconds=600.0)
+                    registry = ScopeRegistry(db, FanoutHub(), nursery, idle_seconds=600.0,
+                                             ownership=await _one_node(db))
 
                     def sender_for(scope_id: str) -> Callable[[int], Awaitable[Any]]:
                         async def send(i: int) -> None:
@@ -491,7 +508,8 @@ def run_latency(fx: Fixture, args: argparse.Namespace, first: str, pool: PoolSet
         async with Database(fx.dsn, pool) as db:
             counter = TxCounter(db)
             async with trio.open_nursery() as nursery:
-                registry = ScopeRegistry(db, FanoutHub(), nursery, idle_seconds=600.0)
+                registry = ScopeRegistry(db, FanoutHub(), nursery, idle_seconds=600.0,
+                                         ownership=await _one_node(db))
                 # Sender 0 is the owner (human), the rest agents: members of both scopes.
                 actors = [ActorContext(fx.workspace_id, fx.owner_member_id, "human", None, fx.generation)]
                 actors += [fx.agent_actor(i) for i in range(args.latency_senders - 1)]

@@ -84,6 +84,7 @@ def build() -> dict:
                 "History: " + guide.HISTORY,
                 "Mentions: " + guide.MENTIONS,
                 "Handles: " + guide.HANDLES,
+                "Several nodes: " + guide.NODES,
                 "Error codes by case: " + "; ".join(f"{case}: `{code}`" for case, code in guide.ERROR_CASES.items()),
                 "Budgets: " + "; ".join(f"{name}: {rate}/s, burst {burst}, {key}"
                                         for name, (rate, burst, key) in guide.BUDGETS.items())

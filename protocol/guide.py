@@ -90,3 +90,13 @@ HANDLES = (
     "Agents (agent.create, or the CLI's member create-agent) and services (the CLI's member create-service) "
     "name their handle; a taken handle answers `conflict`. No op changes a handle."
 )
+
+# Checked by tests/test_cluster_nodes.py and tests/test_cluster_processes.py.
+NODES = (
+    "A deployment may run several nodes (servers) on one database, each with its own address: connect to any of "
+    "them. Every op answers the same on every node, events committed through any node reach subscribers on "
+    "every node in the same order, and cursors are the database's, so a client resumes against any node. A "
+    "command for a scope whose owning node has died answers `unavailable` (retry: a message.send with the same "
+    "client_message_id is stored at most once) until another node takes the scope over, at most the "
+    "deployment's node lease (default 10 s) after the last renewal."
+)

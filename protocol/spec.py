@@ -85,6 +85,7 @@ def build() -> dict:
         "ephemeral_ttl_ms": {"typing": guide.TYPING_TTL_MS, "presence": guide.PRESENCE_TTL_MS},
         "mentions": guide.MENTIONS,
         "handles": guide.HANDLES,
+        "nodes": guide.NODES,
         "error_codes": [code.value for code in ErrorCode],
         "input_rules": INPUT_RULES,
         "close_codes": CLOSE_CODES,

@@ -40,6 +40,7 @@ from server.ops.service_accounts import run_maintenance as run_service_account_m
 from server.limits import ConnectionAdmission, KeyedRateLimiter, TokenBucket, warn_if_descriptors_short
 from server import transport
 from server.attachments import Attachments
+from server.cluster import ClusterNode, link_key
 from server.auth import Authenticator
 from server.config import ServerConfig
 from server.context import Principal
@@ -171,8 +172,10 @@ class Server:
     deliveries: DeliveryRouter = field(init=False)
     audience: AudienceReconciler = field(init=False)
     platform: PlatformRegistry | None = None
-    # This process's node id: leasing a platform delivery claims the workspace's placement for it.
+    # This process's node id (--node-id, else fresh): it holds scope leases (server/cluster.py),
+    # and leasing a platform delivery claims the workspace's placement for it.
     node_id: str = field(default_factory=lambda: new_id("nod"))
+    cluster: ClusterNode = field(init=False)
     port: int | None = None
     # Already bound (the CLI binds before touching the database, to fail fast); else run() binds.
     listeners: list[trio.SocketListener] | None = None
@@ -198,6 +201,9 @@ class Server:
                                          retention_hours=self.config.delivery_retention_hours)
         self.audience = AudienceReconciler(self)
         self.attachments = Attachments(self.config)
+        if self.config.node_id:
+            self.node_id = self.config.node_id
+        self.cluster = ClusterNode(self, link_key(self.auth.signer.private_key))
         self.metrics.bind(self)
 
     async def edition(self) -> str | None:
@@ -215,7 +221,8 @@ class Server:
             self.registry = ScopeRegistry(self.db, self.hub, actors_nursery, idle_seconds=self.config.actor_idle_seconds,
                                           outbox_wake=lambda: outbox.wake.set(),
                                           on_commit=self.metrics.batch_committed,
-                                          offer_deliveries=self.deliveries.offer)
+                                          offer_deliveries=self.deliveries.offer, ownership=self.cluster)
+            await actors_nursery.start(self.cluster.run)
             await actors_nursery.start(self.deliveries.run)
             await actors_nursery.start(self.outbox.run)
             await actors_nursery.start(messaging.sweep_departed_members, self)

@@ -4,6 +4,7 @@ admin commands (init, workspace, member, invite, apikey)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import logging
@@ -24,7 +25,7 @@ from server.app import Server
 from server.auth import Authenticator, system_context, system_workspace_context
 from server.credentials import load_or_create_signer
 from server.rbac import API_KEY_SCOPES
-from server.config import DEFAULT_ATTACHMENT_TYPES, DatabaseConfig, ServerConfig, default_data_dir
+from server.config import DEFAULT_ATTACHMENT_TYPES, NODE_ID, DatabaseConfig, ServerConfig, default_data_dir
 from server.ops.platform import create_operator
 from storage.blobs import S3Settings
 from storage.cluster import ClusterError
@@ -32,6 +33,7 @@ from storage.lifecycle import (ClusterLost, DatabaseStartError, database_url_hos
                                provisioned, supervise_cluster)
 from storage import platform, search, tenancy
 from storage.errors import Conflict, NotFound
+from storage.ids import new_id
 from storage.migrations import migrate, verify
 
 log = logging.getLogger("scopewire")
@@ -147,6 +149,23 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--moderation-keywords-file", type=Path, default=_env("MODERATION_KEYWORDS_FILE"),
                        help="one keyword per line: a platform broadcast containing one (ignoring case) is refused "
                             "with content_blocked and logged for review")
+    serve.add_argument("--node-id", default=_env("NODE_ID"),
+                       help="this server's node id among the servers on one database: letters, digits, _ and -, "
+                            "at most 64 (default: a fresh one per start)")
+    serve.add_argument("--node-lease-seconds", type=float, default=float(_env("NODE_LEASE_SECONDS", "10")),
+                       help="a node that has not renewed its lease for this long loses its scopes to the others "
+                            "(default: %(default)s)")
+    serve.add_argument("--forward-host", default=_env("FORWARD_HOST", "127.0.0.1"),
+                       help="interface where other nodes forward commands for the scopes this node owns "
+                            "(default: %(default)s)")
+    serve.add_argument("--forward-port", type=int, default=int(_env("FORWARD_PORT", "0")),
+                       help="port for forwarded commands (default: any free port)")
+    serve.add_argument("--forward-advertise", default=_env("FORWARD_ADVERTISE"),
+                       help="host:port other nodes use to reach --forward-host/--forward-port "
+                            "(default: the bound address)")
+    serve.add_argument("--bus", choices=("postgres", "nats"), default=_env("BUS", "postgres"),
+                       help="how nodes tell each other what they committed (default: %(default)s)")
+    serve.add_argument("--nats-url", default=_env("NATS_URL"), help="the NATS server for --bus nats")
     serve.add_argument("--session-key-file", type=Path, default=_env("SESSION_KEY_FILE"),
                        help="Ed25519 key that signs session tokens (default: DATA_DIR/session-signing-key.pem); "
                             "every server on one database must share it")
@@ -188,6 +207,14 @@ def main(argv: list[str] | None = None) -> int:
                                     or args.platform_lease_seconds < 1 or args.platform_max_attempts < 1):
         parser.error("--platform-delivery-concurrency must be 1-1000, --platform-lease-seconds and "
                      "--platform-max-attempts at least 1")
+    if args.command == "serve" and (args.node_id is not None and not NODE_ID.fullmatch(args.node_id)):
+        parser.error("--node-id takes letters, digits, _ and -, at most 64")
+    if args.command == "serve" and (args.node_lease_seconds < 1 or not 0 <= args.forward_port <= 65535):
+        parser.error("--node-lease-seconds must be at least 1 and --forward-port 0-65535")
+    if args.command == "serve" and args.forward_host in ("0.0.0.0", "::", "") and not args.forward_advertise:
+        parser.error("--forward-host on every interface needs --forward-advertise (the address other nodes dial)")
+    if args.command == "serve" and args.bus == "nats" and not args.nats_url:
+        parser.error("--bus nats needs --nats-url")
     logs.configure(getattr(args, "log_level", "warning"))
     if args.command == "status":
         try:
@@ -246,7 +273,10 @@ def server_config_from(args: argparse.Namespace) -> ServerConfig:
                         unclaimed_upload_ttl_seconds=args.unclaimed_upload_ttl,
                         max_unclaimed_upload_bytes=int(args.max_unclaimed_upload_bytes),
                         max_unclaimed_uploads=int(args.max_unclaimed_uploads),
-                        search_candidate_budget=int(args.search_candidate_budget))
+                        search_candidate_budget=int(args.search_candidate_budget),
+                        node_id=args.node_id, node_lease_seconds=args.node_lease_seconds,
+                        forward_host=args.forward_host, forward_port=args.forward_port,
+                        forward_advertise=args.forward_advertise, bus=args.bus, nats_url=args.nats_url)
 
 
 def _s3_settings(args: argparse.Namespace) -> S3Settings | None:
@@ -321,6 +351,11 @@ def _serve(args: argparse.Namespace) -> int:
     sockets = inherited_listening_sockets() or bind_listening_sockets(server_config.host, server_config.port)
     try:
         with provisioned(config) as target:
+            if server_config.node_id is None and config.database_url is None:
+                # The embedded database's data dir admits one server at a time (its lock), so
+                # its node id can outlive a restart: a node restarted after a crash takes its
+                # scopes back at once instead of waiting for its former lease to run out.
+                server_config = dataclasses.replace(server_config, node_id=_persistent_node_id(config.data_dir))
             lost = trio.run(_serve_async, target, config, server_config, sockets, _session_key_file(args, config))
     finally:
         for sock in sockets:
@@ -376,6 +411,20 @@ def tune_garbage_collector() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(100_000, 50, 1000)
+
+
+def _persistent_node_id(data_dir: Path) -> str:
+    path = data_dir.expanduser() / "node-id"
+    try:
+        found = path.read_text().strip()
+        if NODE_ID.fullmatch(found):
+            return found
+    except FileNotFoundError:
+        pass
+    node_id = new_id("nod")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(node_id + "\n")
+    return node_id
 
 
 def _session_key_file(args: argparse.Namespace, config: DatabaseConfig) -> Path:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,6 +12,8 @@ import platformdirs
 from storage.blobs import S3Settings
 
 ROOT_DATA_DIR = Path("/var/lib/scopewire")
+# A node id travels in bus notifications (`node:seq:payload`), so it never holds a colon.
+NODE_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 # Content types an upload may declare unless the deployment says otherwise (`*` matches
 # any subtype): documents and media, not executables or scriptable types (e.g. SVG, HTML).
 DEFAULT_ATTACHMENT_TYPES = (
@@ -104,3 +107,14 @@ class ServerConfig:
     attachment_gc_seconds: float = 60.0
     # Search: matching messages examined per call before the readable predicate.
     search_candidate_budget: int = 1000
+    # Scale-out (server/cluster.py): this process's node id (None: a fresh one per start),
+    # how long its lease lasts without a heartbeat (its scopes are taken over after that),
+    # where peers forward commands for the scopes it owns (port 0: any free port; the
+    # advertised address defaults to host:port as bound), and the bus between nodes.
+    node_id: str | None = None
+    node_lease_seconds: float = 10.0
+    forward_host: str = "127.0.0.1"
+    forward_port: int = 0
+    forward_advertise: str | None = None
+    bus: str = "postgres"  # postgres | nats
+    nats_url: str | None = None

@@ -65,8 +65,13 @@ async def _answer(server: Server, path: str, metrics_here: bool) -> bytes | None
 
 async def readiness(server: Server) -> dict[str, dict]:
     """database: reachable; migrations: at the version this code expects;
-    accepting: the listeners are up and the server is not shutting down."""
-    checks: dict[str, dict] = {"accepting": {"ok": server.accepting}}
+    accepting: the listeners are up and the server is not shutting down;
+    node_lease: this node renewed its lease within the last lease period (else
+    other nodes may take its scopes over)."""
+    cluster = server.cluster
+    checks: dict[str, dict] = {"accepting": {"ok": server.accepting},
+                               "node_lease": {"ok": cluster.lease_healthy, "node_id": cluster.node_id,
+                                              "lease_seconds": cluster.lease_seconds}}
     applied = expected = None
     with trio.move_on_after(READINESS_TIMEOUT):
         try:

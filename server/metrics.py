@@ -101,6 +101,14 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
+def _forwarded(cluster) -> Metric:
+    family = CounterMetricFamily("scopewire_forwarded_commands", "Scope commands forwarded to the owning node "
+                                 "(out) and run here for another node (in)", labels=["direction"])
+    family.add_metric(["out"], cluster.forwarded_out)
+    family.add_metric(["in"], cluster.forwarded_in)
+    return family
+
+
 def _gauge(name: str, documentation: str, value: float | None, labels: list[str] | None = None,
            samples: list[tuple[list[str], float]] | None = None) -> Iterator[Metric]:
     family = GaugeMetricFamily(name, documentation, value=None if labels else value, labels=labels)
@@ -156,6 +164,20 @@ class _ServerCollector(Collector):
                                   "live or replayed from the log", value=hub.delivered)
         yield CounterMetricFamily("scopewire_fanout_bytes", "Bytes of event frames handed to subscribed "
                                   "connections, live or replayed", value=hub.delivered_bytes)
+        cluster = server.cluster
+        yield from _gauge("scopewire_node_info", "This node (always 1), labelled with its id and bus", None,
+                          ["node_id", "bus"], [([cluster.node_id, server.config.bus], 1)])
+        yield from _gauge("scopewire_node_lease_healthy", "1 while this node's lease is renewed in time",
+                          1 if cluster.lease_healthy else 0)
+        yield _forwarded(cluster)
+        yield CounterMetricFamily("scopewire_bus_messages_sent", "Publications sent to the other nodes",
+                                  value=cluster.bus_sent)
+        yield CounterMetricFamily("scopewire_bus_messages_received", "Publications received from other nodes",
+                                  value=cluster.bus_received)
+        yield CounterMetricFamily("scopewire_bus_messages_lost", "Publications this node could not send",
+                                  value=cluster.bus_dropped)
+        yield CounterMetricFamily("scopewire_bus_resyncs", "Times every local subscriber replayed from its "
+                                  "cursors because bus messages were lost", value=cluster.bus_resyncs)
         yield CounterMetricFamily("scopewire_slow_consumer_closes", "Connections closed with 4408 slow_consumer",
                                   value=metrics.slow_consumer_closes)
 

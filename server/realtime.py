@@ -65,7 +65,7 @@ def shared_frame(event: CommittedEvent, binary: bool) -> bytes:
     """The event's WebSocket frame in one wire format, built by its first recipient."""
     frame = event.frames.get(binary)
     if frame is None:
-        frame = event.frames[binary] = server_frame(encode(_event_frame(event), binary=binary), binary=binary)
+        frame = event.frames[binary] = server_frame(encode(event_frame(event), binary=binary), binary=binary)
     return frame
 
 
@@ -289,7 +289,7 @@ class PushState:
                 return
 
 
-def _event_frame(event: CommittedEvent) -> f.Event:
+def event_frame(event: CommittedEvent) -> f.Event:
     # Every payload goes through the contract's table (protocol/events.py).
     data = (_message_data(event.data, event.event) if event.event in events.MESSAGE_EVENTS
             else events.payload(event.event, event.data))

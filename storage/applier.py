@@ -638,3 +638,5 @@ async def delete_scope(conn: asyncpg.Connection, scope_id: str) -> None:
                        scope_id)
     await conn.execute("DELETE FROM scope_messages WHERE scope_id = $1", scope_id)
     await conn.execute("DELETE FROM scopes WHERE id = $1", scope_id)
+    # Its lease goes too: an actor still holding it fails its next fence and stops.
+    await conn.execute("DELETE FROM scope_leases WHERE scope_id = $1", scope_id)

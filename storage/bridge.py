@@ -31,6 +31,9 @@ import uvloop
 
 from storage.errors import DatabaseUnavailable
 
+# Far above any pause between two statements of one unit of work here.
+IDLE_IN_TRANSACTION_MS = 15_000
+
 log = logging.getLogger("scopewire.db")
 
 T = TypeVar("T")
@@ -165,7 +168,10 @@ class Database:
             max_size=self.settings.max_size,
             command_timeout=self.settings.command_timeout,
             timeout=self.settings.connect_timeout,
-            server_settings={"application_name": "scopewire"},
+            # A transaction left open by a frozen process (SIGSTOP, a stalled VM) would hold
+            # its locks — a scope lease's among them — until it resumed; PostgreSQL ends it.
+            server_settings={"application_name": "scopewire",
+                             "idle_in_transaction_session_timeout": str(IDLE_IN_TRANSACTION_MS)},
         )
 
     async def _close_pool(self) -> None:
@@ -192,6 +198,11 @@ class Database:
         """Like `transaction`, and run `meanwhile()` on this thread once the unit
         is handed over: CPU work here overlaps the database's work there."""
         return await self._submit(fn, args, kwargs, "transaction", meanwhile)
+
+    async def on_loop(self, fn: Callable[[], Awaitable[T]]) -> T:
+        """Run a pool-less coroutine on the bridge's asyncio loop: for other asyncio-only
+        clients (the NATS bus transport) that should share its thread."""
+        return await self._call_on_loop(fn)
 
     async def _call_on_loop(self, fn: Callable[[], Awaitable[T]]) -> T:
         """Run a pool-less coroutine on the loop (lifecycle operations)."""

@@ -10,6 +10,11 @@ class DatabaseUnavailable(StorageError):
     The pool reconnects on its own, so a later unit of work may succeed."""
 
 
+class LeaseLost(DatabaseUnavailable):
+    """This node no longer owns the scope (its lease was taken over or ran out):
+    the transaction committed nothing, so the command may run at the owner."""
+
+
 class SchemaDrift(StorageError):
     """The live database does not match the schema definition."""
 

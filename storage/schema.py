@@ -2482,6 +2482,61 @@ scope_message_search_state = introduced_in(7, Table(
     indexes=(Index("scope_message_search_state_pending_idx", "workspace_id", where="NOT read_ready"),),
 ))
 
+# --- scale-out (version 8): nodes, scope ownership leases, the cross-node bus's spill -------------
+
+# A scopewire process serving this database. Its lease (renewed by heartbeat) keeps every
+# scope lease it holds alive: one row to renew per node, not one per scope.
+cluster_nodes = introduced_in(8, Table(
+    "cluster_nodes",
+    columns=(
+        Column("node_id", "text"),
+        # host:port where peers forward commands for the scopes this node owns.
+        Column("forward_address", "text"),
+        Column("started_at", TS, default=NOW),
+        Column("heartbeat_at", TS, default=NOW),
+        Column("lease_expires_at", TS),
+        Column("stopped_at", TS, nullable=True),
+    ),
+    primary_key=("node_id",),
+    checks=(Check("cluster_nodes_lease_after_heartbeat", "lease_expires_at >= heartbeat_at"),),
+    indexes=(Index("cluster_nodes_live_idx", "lease_expires_at", where="stopped_at IS NULL"),),
+))
+
+# Which node's actor owns a scope.  `epoch` only grows (a released row keeps it), so a
+# former owner's epoch never passes the fence again.  No FK to scopes: a creating actor
+# holds the lease before its scope row exists.
+scope_leases = introduced_in(8, Table(
+    "scope_leases",
+    columns=(
+        Column("scope_id", "text"),
+        Column("node_id", "text", nullable=True),  # NULL: released, free to take
+        Column("epoch", "bigint", default="1"),
+        Column("acquired_at", TS, default=NOW),
+    ),
+    primary_key=("scope_id",),
+    checks=(
+        Check("scope_leases_epoch_positive", "epoch >= 1"),
+        id_check("scope_leases", "scope_id", "scp", since=8),
+    ),
+    foreign_keys=(ForeignKey("scope_leases_node_fkey", ("node_id",), "cluster_nodes", ("node_id",),
+                             on_delete="SET NULL"),),
+    indexes=(Index("scope_leases_node_idx", "node_id", where="node_id IS NOT NULL"),),
+))
+
+# Bus messages too big for a NOTIFY payload: the notification names this row instead.
+cluster_bus_spill = introduced_in(8, Table(
+    "cluster_bus_spill",
+    columns=(
+        Column("node_id", "text"),
+        Column("bus_seq", "bigint"),
+        Column("payload", "bytea"),
+        Column("created_at", TS, default=NOW),
+    ),
+    primary_key=("node_id", "bus_seq"),
+    indexes=(Index("cluster_bus_spill_created_idx", "created_at"),),
+))
+
+
 SCHEMA = Schema(
     tables=(
         instance_metadata,
@@ -2554,6 +2609,9 @@ SCHEMA = Schema(
         attachments,
         scope_message_search_docs,
         scope_message_search_state,
+        cluster_nodes,
+        scope_leases,
+        cluster_bus_spill,
     ),
     versions=(
         Version(1, "tenancy kernel and message domain",
@@ -2581,6 +2639,7 @@ SCHEMA = Schema(
             "INSERT INTO scope_message_search_state (scope_id, workspace_id) "
             "SELECT id, workspace_id FROM scopes WHERE latest_seq > 0 ON CONFLICT DO NOTHING",
         )),
+        Version(8, "scale-out: nodes, scope ownership leases with fencing epochs, the cross-node bus's spill"),
     ),
     extensions=EXTENSIONS,
 )

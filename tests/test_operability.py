@@ -77,7 +77,7 @@ async def test_health_ready_and_metrics_answer_plain_http_on_the_websocket_port(
     assert ready.status == 200, ready.body
     assert ready.json()["status"] == "ready"
     assert {name: check["ok"] for name, check in ready.json()["checks"].items()} == {
-        "accepting": True, "database": True, "migrations": True}
+        "accepting": True, "database": True, "migrations": True, "node_lease": True}
     metrics = await http_get(port, "/metrics")
     assert metrics.status == 200
     assert metrics.headers["content-type"].startswith("text/plain; version=0.0.4")
@@ -86,7 +86,9 @@ async def test_health_ready_and_metrics_answer_plain_http_on_the_websocket_port(
             "scopewire_command_duration_seconds", "scopewire_actors_active", "scopewire_actor_mailbox_depth",
             "scopewire_actor_batch_size", "scopewire_actor_commit_duration_seconds", "scopewire_fanout_deliveries",
             "scopewire_fanout_bytes", "scopewire_slow_consumer_closes", "scopewire_outbox_backlog",
-            "scopewire_outbox_retries", "scopewire_bridge_queue_depth", "scopewire_db_pool_connections"} <= names
+            "scopewire_outbox_retries", "scopewire_bridge_queue_depth", "scopewire_db_pool_connections",
+            "scopewire_node_info", "scopewire_node_lease_healthy", "scopewire_forwarded_commands",
+            "scopewire_bus_messages_sent", "scopewire_bus_messages_received", "scopewire_bus_resyncs"} <= names
     # HEAD: the same status and headers, no body.
     head = await http_get(port, "/healthz", method="HEAD")
     assert (head.status, head.body) == (200, b"")

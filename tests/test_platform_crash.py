@@ -25,7 +25,8 @@ from tests.test_outage import init_instance
 from tests.test_serve import data_dir, start_serve  # noqa: F401  (data_dir is a fixture)
 
 WORKSPACES = 30  # including the one `scopewire init` creates
-LEASE = ("--platform-lease-seconds", "2")  # the dead process's lease expires soon after the restart
+LEASE = ("--platform-lease-seconds", "2")
+NODE = ("--node-id", "the-node")  # the dead process's lease expires soon after the restart
 
 
 async def add_workspaces(db: Database, count: int, password_hash: str) -> None:
@@ -48,6 +49,9 @@ async def delivery_states(db: Database, broadcast_id: str) -> dict[str, str]:
 
 async def test_a_broadcast_killed_mid_delivery_lands_exactly_once_everywhere_after_restart(  # noqa: F811
         data_dir, database_dsn, member_password_hash):
+    # NODE: a stable node id, as a deployment on --database-url gives each node, so the
+    # restarted server takes the dead one's scopes back at once (tests/test_cluster_processes.py
+    # covers a takeover by another node after the lease runs out).
     args = ("--database-url", database_dsn)
     await init_instance("--data-dir", str(data_dir), *args, "--edition", "multi")
     async with Database(database_dsn, PoolSettings(min_size=1, max_size=4)) as db:
@@ -56,7 +60,7 @@ async def test_a_broadcast_killed_mid_delivery_lands_exactly_once_everywhere_aft
         assert len(workspaces) == WORKSPACES
         operator_id, _, key = await create_operator(db, "ops")
 
-        served = await start_serve(data_dir, *args, *LEASE)
+        served = await start_serve(data_dir, *args, *NODE, *LEASE)
         async with connect(served.url) as conn:
             assert (await conn.call("auth", operator_key=key))["principal"] == "operator"
             await conn.call("platform.subscribe")
@@ -89,7 +93,7 @@ async def test_a_broadcast_killed_mid_delivery_lands_exactly_once_everywhere_aft
         delivered_at_kill = sum(state == "delivered" for state in at_kill.values())
         assert 0 < delivered_at_kill < WORKSPACES and at_kill[blocked] == "leased", at_kill
 
-        served = await start_serve(data_dir, *args, *LEASE)
+        served = await start_serve(data_dir, *args, *NODE, *LEASE)
         async with connect(served.url) as conn:
             await conn.call("auth", operator_key=key)
             await conn.call("platform.subscribe")

@@ -13,14 +13,12 @@ from collections.abc import Iterator
 
 import pytest
 import trio
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from client import ClientError, connect
 from client.resuming import ResumingClient
 from protocol import conformance
 from server.app import Server
 from server.auth import Authenticator
-from server.credentials import SessionSigner
 from tests.conftest import App
 from tests.test_messaging import open_channel
 from tests.test_private_visibility import as_agent, world  # noqa: F401  (world is a fixture)
@@ -45,7 +43,7 @@ async def test_resuming_client_survives_a_server_restart(app: App, tenants, nurs
     # The address outlives the servers, as with socket activation, so the restart cannot lose
     # the port to another process (probing for a free port and binding it later could).
     port = address.getsockname()[1]
-    signer = SessionSigner(Ed25519PrivateKey.generate())
+    signer = app.server.auth.signer  # servers on one database share the signing key (and so the node link key)
 
     async def serve_once(task_status=trio.TASK_STATUS_IGNORED):
         listener = trio.SocketListener(trio.socket.from_stdlib_socket(address.dup()))

@@ -29,6 +29,7 @@ from storage.visibility.predicate import (
     entitled_for_message,
     explain_message,
     fetch_custom_plan,
+    followers_entitled,
     message_readable_sql,
     message_visibility_sql,
     ReaderWindows,
@@ -41,6 +42,7 @@ from storage.visibility.predicate import (
 
 __all__ = [
     "ENTITLED_MEMBERSHIPS", "INBOX_MEMBERSHIPS", "entitled_for_message", "entitled_roster", "explain_message", "fetch_custom_plan",
+    "followers_entitled",
     "message_readable_sql", "message_visibility_sql", "ReaderWindows", "private_reader_windows", "quoted_sources_sql", "readable_join", "readable_scope_sets", "roster_entries", "scope_authority",
     "scope_members", "scope_readable_sql", "typing_audience", "viewer_membership",
 ]

@@ -185,6 +185,46 @@ def scope_readable_sql(scope: str = "s", viewer: str = "$2", *, by_id: bool = Fa
 
 # --- the fanout side ------------------------------------------------------------------------------
 
+async def followers_entitled(conn: asyncpg.Connection, scope_id: str, from_seq: int, to_seq: int,
+                             followers: list[str], readers_too: bool,
+                             message_ids: list[str]) -> tuple[list[asyncpg.Record], list[str], dict[str, list[str]]]:
+    """Another node committed messages `from_seq`..`to_seq` of the scope: each with
+    the `followers` (this node's subscribed members) that may read it (`entitled`),
+    by the one readable predicate; with `readers_too`, the followers that are public
+    readers of the scope (for its other events); and for each of `message_ids` (events
+    about a message: edits, reactions), the followers that may read that message.
+    One statement per question, however many followers: the cross-node fanout's
+    whole cost in the database."""
+    rows: list[asyncpg.Record] = []
+    if from_seq <= to_seq:
+        # Only the scope's own readers are asked the predicate (a workspace feed follows
+        # scopes its member is not in; locally those never get the scope's events either).
+        rows = await conn.fetch(
+            f"WITH readers AS (SELECT f FROM unnest($4::text[]) AS f WHERE {scope_readable_sql('$1', 'f', by_id=True)}) "
+            f"SELECT m.*, ARRAY(SELECT f FROM readers WHERE {message_visibility_sql('m', 'f')} IS NOT NULL) "
+            f"AS entitled FROM scope_messages m WHERE m.scope_id = $1 AND m.seq BETWEEN $2 AND $3 ORDER BY m.seq",
+            scope_id, from_seq, to_seq, followers)
+    readers: list[str] = []
+    if readers_too:
+        # Public readers only: which of a scope's events a private agent may have is the
+        # sender's business (explicit audiences, or the message predicate above).
+        readers = [r["f"] for r in await conn.fetch(
+            f"SELECT f FROM unnest($2::text[]) AS f WHERE EXISTS (SELECT 1 FROM scope_memberships rv "
+            f"WHERE rv.scope_id = $1 AND rv.member_id = f AND rv.effective_to_seq IS NULL "
+            f"AND rv.visibility = 'public' AND {_ACTIVE.format(ms='rv')}) "
+            f"OR {task_reader_sql('$1', 'f')} IS NOT NULL", scope_id, followers)]
+    by_message: dict[str, list[str]] = {}
+    if message_ids:
+        for row in await conn.fetch(
+                f"WITH readers AS (SELECT f FROM unnest($3::text[]) AS f "
+                f"WHERE {scope_readable_sql('$1', 'f', by_id=True)}) "
+                f"SELECT m.id, ARRAY(SELECT f FROM readers WHERE {message_visibility_sql('m', 'f')} IS NOT NULL) "
+                f"AS entitled FROM scope_messages m WHERE m.scope_id = $1 AND m.id = ANY($2::text[])",
+                scope_id, message_ids, followers):
+            by_message[row["id"]] = list(row["entitled"])
+    return rows, readers, by_message
+
+
 async def entitled_for_message(conn: asyncpg.Connection, scope_id: str, message_id: str) -> frozenset[str]:
     """Who receives this message's events: the open public members, and the open
     private members who may read it (the outbox worker's replay); a task's readers."""

@@ -1,0 +1,63 @@
+"""The cross-node bus over PostgreSQL LISTEN/NOTIFY (server/bus.py).
+
+A NOTIFY payload is text of at most 8000 bytes and is not durable, so a bus
+message travels as `node_id:bus_seq:base64` when it fits, else as
+`node_id:bus_seq:*` with its bytes in `cluster_bus_spill` (inserted in the
+same transaction, so the row is there when the notification arrives).  The
+per-node `bus_seq` lets a receiver see that it missed messages (a gap), and
+keeps equal payloads distinct (PostgreSQL folds identical notifications of
+one transaction into one).
+"""
+
+from __future__ import annotations
+
+import base64
+
+import asyncpg
+
+CHANNEL = "scopewire_bus"
+# PostgreSQL's limit is 8000 bytes; the header (node id, seq) takes the rest.
+MAX_INLINE_BYTES = 7_800
+SPILLED = "*"  # never base64
+
+
+def _inline(node_id: str, bus_seq: int, payload: bytes) -> str | None:
+    text = f"{node_id}:{bus_seq}:{base64.b64encode(payload).decode()}"
+    return text if len(text) <= MAX_INLINE_BYTES else None
+
+
+async def notify(conn: asyncpg.Connection, node_id: str, first_seq: int, payloads: list[bytes]) -> None:
+    """Send `payloads` in order, numbered from `first_seq`, in one transaction."""
+    texts: list[str] = []
+    spilled: list[tuple[str, int, bytes]] = []
+    for offset, payload in enumerate(payloads):
+        seq = first_seq + offset
+        text = _inline(node_id, seq, payload)
+        if text is None:
+            spilled.append((node_id, seq, payload))
+            text = f"{node_id}:{seq}:{SPILLED}"
+        texts.append(text)
+    async with conn.transaction():
+        if spilled:
+            await conn.executemany("INSERT INTO cluster_bus_spill (node_id, bus_seq, payload) VALUES ($1, $2, $3)",
+                                   spilled)
+        # unnest yields the array in order, and the notifications queue in that order.
+        await conn.execute("SELECT count(pg_notify($1, t)) FROM unnest($2::text[]) AS t", CHANNEL, texts)
+
+
+def parse(text: str, skip_from: str | None = None) -> tuple[str, int, bytes | None]:
+    """(sender node, its bus seq, the payload — None when it was spilled, or when
+    the sender is `skip_from`: a node's own messages are not decoded)."""
+    node_id, seq, body = text.split(":", 2)
+    return node_id, int(seq), (base64.b64decode(body) if body != SPILLED and node_id != skip_from else None)
+
+
+async def spilled(conn: asyncpg.Connection, node_id: str, bus_seq: int) -> bytes | None:
+    return await conn.fetchval("SELECT payload FROM cluster_bus_spill WHERE node_id = $1 AND bus_seq = $2",
+                               node_id, bus_seq)
+
+
+async def prune_spill(conn: asyncpg.Connection, older_than_seconds: float) -> int:
+    result = await conn.execute("DELETE FROM cluster_bus_spill WHERE created_at < now() - make_interval(secs => $1)",
+                                older_than_seconds)
+    return int(result.split()[-1])

@@ -1,0 +1,140 @@
+"""Nodes and scope ownership leases (scale-out).
+
+A node is one scopewire process.  Its row's `lease_expires_at`, renewed by a
+heartbeat, is the liveness of every scope lease it holds.  A scope is owned by
+at most one node: the lease row names it with an `epoch` that grows on every
+acquisition, and the owner's every write transaction passes `pass_scope_fence`
+first, which takes a shared lock on the lease row and checks node, epoch and
+node lease.  A takeover (`acquire`) updates that row, so it waits for the
+owner's in-flight transaction; after it, the former owner's fence fails and
+its transaction commits nothing.  All times are the database's clock, so the
+nodes' own clocks never matter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import asyncpg
+
+from storage.errors import LeaseLost, NotFound
+
+
+@dataclass(frozen=True)
+class Ownership:
+    """Who owns a scope after an acquisition attempt."""
+
+    node_id: str
+    epoch: int
+    forward_address: str  # the owner's, for forwarding commands to it
+
+
+async def register_node(conn: asyncpg.Connection, node_id: str, forward_address: str, ttl_seconds: float) -> None:
+    await conn.execute(
+        "INSERT INTO cluster_nodes (node_id, forward_address, lease_expires_at) "
+        "VALUES ($1, $2, now() + make_interval(secs => $3)) "
+        "ON CONFLICT (node_id) DO UPDATE SET forward_address = EXCLUDED.forward_address, started_at = now(), "
+        "heartbeat_at = now(), lease_expires_at = EXCLUDED.lease_expires_at, stopped_at = NULL",
+        node_id, forward_address, ttl_seconds)
+
+
+async def renew_node(conn: asyncpg.Connection, node_id: str, ttl_seconds: float) -> bool:
+    """Extend the node's lease; False if the row is gone or the node was marked stopped."""
+    row = await conn.fetchrow(
+        "UPDATE cluster_nodes SET heartbeat_at = now(), lease_expires_at = now() + make_interval(secs => $2) "
+        "WHERE node_id = $1 AND stopped_at IS NULL RETURNING node_id", node_id, ttl_seconds)
+    return row is not None
+
+
+async def stop_node(conn: asyncpg.Connection, node_id: str) -> None:
+    """A clean shutdown: every scope this node owns is free at once (epochs kept)."""
+    await conn.execute("UPDATE scope_leases SET node_id = NULL WHERE node_id = $1", node_id)
+    await conn.execute("UPDATE cluster_nodes SET stopped_at = now(), heartbeat_at = now(), lease_expires_at = now() "
+                       "WHERE node_id = $1", node_id)
+
+
+async def acquire(conn: asyncpg.Connection, scope_id: str, node_id: str, *, creating: bool = False) -> Ownership:
+    """Take the scope's lease when it is free, held by a node whose lease ran
+    out, or held by this node (a new epoch: this node's previous actor for the
+    scope is over).  Otherwise report the live owner.  The update waits for the
+    current owner's in-flight write transaction (its shared lock), so a live
+    owner is read first, without a lock: asking who owns a busy scope never waits."""
+    held = await conn.fetchrow(
+        "SELECT l.node_id, l.epoch, n.forward_address FROM scope_leases l JOIN cluster_nodes n "
+        "ON n.node_id = l.node_id AND n.stopped_at IS NULL AND n.lease_expires_at > clock_timestamp() "
+        "WHERE l.scope_id = $1 AND l.node_id <> $2", scope_id, node_id)
+    if held is not None:
+        return Ownership(held["node_id"], held["epoch"], held["forward_address"])
+    # Only a scope that exists, or one being created, gets a lease row.
+    row = await conn.fetchrow(
+        "INSERT INTO scope_leases AS l (scope_id, node_id) SELECT $1, $2 "
+        "WHERE $3 OR EXISTS (SELECT 1 FROM scopes s WHERE s.id = $1) "
+        "ON CONFLICT (scope_id) DO UPDATE SET node_id = EXCLUDED.node_id, epoch = l.epoch + 1, acquired_at = now() "
+        "WHERE l.node_id IS NULL OR l.node_id = EXCLUDED.node_id OR NOT EXISTS ("
+        "  SELECT 1 FROM cluster_nodes n WHERE n.node_id = l.node_id AND n.stopped_at IS NULL "
+        "  AND n.lease_expires_at > clock_timestamp()) "
+        "RETURNING node_id, epoch", scope_id, node_id, creating)
+    if row is not None:
+        return Ownership(row["node_id"], row["epoch"], "")
+    if not creating and not await conn.fetchval("SELECT EXISTS (SELECT 1 FROM scopes WHERE id = $1)", scope_id):
+        raise NotFound("scope")
+    held = await conn.fetchrow(
+        "SELECT l.node_id, l.epoch, n.forward_address FROM scope_leases l "
+        "JOIN cluster_nodes n ON n.node_id = l.node_id WHERE l.scope_id = $1", scope_id)
+    if held is None:  # released meanwhile: the next attempt takes it
+        raise LeaseLost("the scope's lease changed hands; retry")
+    return Ownership(held["node_id"], held["epoch"], held["forward_address"])
+
+
+async def release(conn: asyncpg.Connection, scope_id: str, node_id: str, epoch: int) -> None:
+    """An idle actor gives its scope back (the epoch stays, so it can never pass again)."""
+    await conn.execute("UPDATE scope_leases SET node_id = NULL WHERE scope_id = $1 AND node_id = $2 AND epoch = $3",
+                       scope_id, node_id, epoch)
+
+
+async def pass_scope_fence(conn: asyncpg.Connection, scope_id: str, node_id: str, epoch: int) -> None:
+    """Inside a write transaction, before its first write: hold the lease row
+    shared until commit and refuse a lost or expired lease (LeaseLost: the
+    transaction must roll back, nothing of it commits)."""
+    ok = await conn.fetchval(
+        "SELECT true FROM scope_leases l WHERE l.scope_id = $1 AND l.node_id = $2 AND l.epoch = $3 "
+        "AND EXISTS (SELECT 1 FROM cluster_nodes n WHERE n.node_id = $2 AND n.stopped_at IS NULL "
+        "AND n.lease_expires_at > clock_timestamp()) FOR SHARE OF l", scope_id, node_id, epoch)
+    if not ok:
+        raise LeaseLost(f"this node no longer owns scope {scope_id} (epoch {epoch})")
+
+
+async def node_is_live(conn: asyncpg.Connection, node_id: str) -> bool:
+    return await conn.fetchval(
+        "SELECT EXISTS (SELECT 1 FROM cluster_nodes WHERE node_id = $1 AND stopped_at IS NULL "
+        "AND lease_expires_at > clock_timestamp())", node_id)
+
+
+async def other_live_nodes(conn: asyncpg.Connection, node_id: str) -> int:
+    return await conn.fetchval(
+        "SELECT count(*) FROM cluster_nodes WHERE node_id <> $1 AND stopped_at IS NULL "
+        "AND lease_expires_at > clock_timestamp()", node_id)
+
+
+async def live_nodes(conn: asyncpg.Connection) -> list[asyncpg.Record]:
+    return await conn.fetch(
+        "SELECT n.node_id, n.forward_address, n.heartbeat_at, n.lease_expires_at, "
+        "(SELECT count(*) FROM scope_leases l WHERE l.node_id = n.node_id) AS scopes "
+        "FROM cluster_nodes n WHERE n.stopped_at IS NULL AND n.lease_expires_at > clock_timestamp() "
+        "ORDER BY n.node_id")
+
+
+async def forget_orphan_leases(conn: asyncpg.Connection) -> int:
+    """Free lease rows of scopes that do not exist (a create that failed): nothing can
+    hold them, so losing their epoch cannot let a writer through."""
+    result = await conn.execute(
+        "DELETE FROM scope_leases l WHERE l.node_id IS NULL AND NOT EXISTS (SELECT 1 FROM scopes s "
+        "WHERE s.id = l.scope_id)")
+    return int(result.split()[-1])
+
+
+async def forget_stopped_nodes(conn: asyncpg.Connection, older_than_seconds: float) -> int:
+    """Drop nodes stopped or expired long ago (their leases are released by the FK)."""
+    result = await conn.execute(
+        "DELETE FROM cluster_nodes WHERE lease_expires_at < now() - make_interval(secs => $1)", older_than_seconds)
+    return int(result.split()[-1])
