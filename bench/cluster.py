@@ -26,8 +26,17 @@ Mode `cluster` (1 node vs N nodes, same offered load)
   PostgreSQL (postmaster + all its backends), of the clients, the sender and the rest of
   the machine.  CPU per delivery = (all scopewire processes + PostgreSQL) / deliveries.
   Bus counters from each node's /metrics (sent, received, lost, resyncs, forwarded).
+  PostgreSQL's CPU is also split by process and, for client backends, by the node on the
+  other end of the socket (`ss -xp`), pool vs LISTEN connection.
   Target (issue 18): N-node CPU per delivery <= 1.3 x the 1-node figure at the same offered
   load; the N-node/1-node p99 ratio is reported (no target).
+
+  The machine may be shared: every run records the CPU of processes that are not this
+  benchmark's ("other"); a run during which they kept more than --max-other-busy cores busy
+  is run again (--retries; the discarded attempt stays in the JSON), and the summary adds
+  the figures over the quiet runs only.  On 2 cores everything competes (nodes, PostgreSQL,
+  client processes): a starved server batches more and spends less CPU per delivery, so
+  CPU per delivery is only comparable between runs of similar machine load.
 
 Mode `bus` (the transport alone)
   One sender process and R receiver processes (--bus-receivers, default 1 and 3), each with
@@ -39,17 +48,24 @@ Mode `bus` (the transport alone)
   go inline in the NOTIFY, and 20480, which is spilled to cluster_bus_spill; NATS carries
   all inline) carry their scheduled send time; a receiver stamps the arrival when the
   delivery comes out of the transport's channel (where ClusterNode._receive_bus reads it).
-  Rates climb from --bus-start-rate by --bus-factor until a step fails, then one step
-  between the last pass and the first failure.  A step passes when the sender offered the
+  Rates climb from --bus-start-rate by --bus-factor until a step fails (or go down from
+  it, to --bus-min-rate, when it fails), then one step between the last pass and the first
+  failure.  A step passes when the sender offered the
   rate (>= 95 %), every receiver got every message (no gap, no resync), and every
   receiver's p99 <= --bus-p99-ms (100).  Reported per step: rate, delivered, p50/p99,
   PostgreSQL (or nats-server) CPU per message, sender and receiver CPU, machine busy.
 
-    python bench/cluster.py                      # both modes, defaults (about 10 minutes)
-    python bench/cluster.py --quick              # smoke run
+    python bench/cluster.py                      # both modes, defaults (12-13 minutes, idle 2-core machine)
+    python bench/cluster.py --quick              # smoke run (about 2 minutes)
     python bench/cluster.py --mode cluster --configs 600:100 --repeats 5
-    python bench/cluster.py --mode cluster --configs 600:300 --repeats 1 --py-spy   # where the CPU goes
     python bench/cluster.py --mode bus --bus-transports postgres --bus-sizes 200
+
+  Diagnostics (keep them out of headline runs; write them elsewhere with --output):
+    --py-spy               profile every node over each window
+    --pg-stat-statements   preload pg_stat_statements (with track_planning) and record each
+                           window's top statements, execution and planning time
+    --pg-setting N=V       what-if: ALTER SYSTEM SET on the benchmark's PostgreSQL, e.g.
+                           plan_cache_mode=force_generic_plan
 
 Results go to bench/results/cluster.json (a run of one mode keeps the other mode's section
 of an existing file).
@@ -1289,7 +1305,7 @@ async def bus_combo(transport: str, receivers_n: int, size: int, pg: Postgres, n
                     args: argparse.Namespace, procs: Procs, log_dir: Path, repeat: int) -> dict[str, Any]:
     tag = f"{transport}-{receivers_n}rx-{size}B-r{repeat}"
     run: dict[str, Any] = {"transport": transport, "receivers": receivers_n, "size": size, "repeat": repeat,
-                           "steps": []}
+                           "started_at": datetime.datetime.now(datetime.UTC).isoformat(), "steps": []}
     run["quiet"] = await wait_for_quiet(args)
     sender_id = f"bench-send-{uuid.uuid4().hex[:12]}"
     workers: list[BusWorker] = []
@@ -1337,6 +1353,20 @@ async def bus_combo(transport: str, receivers_n: int, size: int, pg: Postgres, n
             else:
                 first_fail = rate
                 break
+        # The start rate already failed: down by the factor until a rate passes (or --bus-min-rate).
+        rate = round((first_fail or 0) / args.bus_factor)
+        while last_pass is None and first_fail is not None and rate >= args.bus_min_rate:
+            result = await measured(rate)
+            run["steps"].append(result)
+            print(f"    {tag} {rate:>8g}/s  {'pass' if result['passed'] else 'FAIL'} (down)  p99 "
+                  f"{_f(result['worst_p99_ms'], '.1f')} ms" + (f"  ({result['why_failed']})"
+                                                               if result["why_failed"] else ""),
+                  file=sys.stderr, flush=True)
+            if result["passed"]:
+                last_pass = rate
+            else:
+                first_fail = rate
+                rate = round(rate / args.bus_factor)
         if args.bus_refine and last_pass is not None and first_fail is not None:
             mid = round(math.sqrt(last_pass * first_fail))
             if last_pass < mid < first_fail:
@@ -1410,14 +1440,6 @@ def summarize_bus(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "worst_p99_ms", "postgres_cpu_us_per_message", "broker_cpu_us_per_message",
                 "sender_cpu_us_per_message", "receiver_cpu_us_per_message")},
         })
-        # Extrapolation, not a measurement: the rate at which one core would be busy with this
-        # per-message cost (the broker's, i.e. PostgreSQL's or nats-server's; and one receiver's).
-        broker_key = "broker_cpu_us_per_message" if transport == "nats" else "postgres_cpu_us_per_message"
-        broker_us = row["at_compare_rate"][broker_key]["median"]
-        receiver_us = row["at_compare_rate"]["receiver_cpu_us_per_message"]["median"]
-        row["one_core_msgs_per_s_estimate"] = {
-            "broker": round(1e6 / broker_us) if broker_us else None,
-            "receiver": round(1e6 / receiver_us) if receiver_us else None}
         rows.append(row)
     return rows
 
@@ -1526,6 +1548,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bus-sizes", default=None, help="comma list of payload bytes (default 200,4096,20480)")
     p.add_argument("--bus-start-rate", type=float, default=None, help="first ladder rate (default 500; quick 500)")
     p.add_argument("--bus-factor", type=float, default=2.0, help="ladder factor (default 2)")
+    p.add_argument("--bus-min-rate", type=float, default=50.0,
+                   help="when the start rate fails, the ladder goes down to at most this rate (default 50)")
     p.add_argument("--bus-max-rate", type=float, default=None, help="ladder top (default 32000; quick 2000)")
     p.add_argument("--bus-step-seconds", type=float, default=None, help="seconds per step (default 2; quick 1)")
     p.add_argument("--bus-compare-rate", type=float, default=1000.0,
@@ -1718,13 +1742,27 @@ def main(argv: list[str] | None = None) -> int:
                 "runs": cluster_runs,
             }
         if args.mode in ("bus", "all"):
+            # A run of some transports only (--bus-transports) keeps the earlier section's runs of
+            # the others, each with the section it came from (its own time, machine and code).
+            earlier = document.get("bus") or {}
+            kept = [r for r in earlier.get("runs", []) if r.get("transport") not in args.bus_transports]
+            sections = {c.get("timestamp"): c for c in earlier.get("carried_over_from", [])}
+            sections[earlier.get("timestamp")] = {k: earlier.get(k) for k in (
+                "timestamp", "finished_at", "machine", "parameters", "postgres", "postgres_what_if_settings", "nats")}
+            for r in kept:
+                r.setdefault("section_timestamp", earlier.get("timestamp"))
+            carried = [{**sections[t], "transports": sorted({r["transport"] for r in kept
+                                                             if r["section_timestamp"] == t})}
+                       for t in sorted({r["section_timestamp"] for r in kept}) if t in sections]
+            bus_runs = bus_runs + kept
             rows_bus = summarize_bus(bus_runs)
             print_bus(rows_bus, args)
             document["bus"] = {
                 **common,
                 "parameters": {
                     "transports": args.bus_transports, "receivers": args.bus_receivers, "sizes": args.bus_sizes,
-                    "start_rate": args.bus_start_rate, "factor": args.bus_factor, "max_rate": args.bus_max_rate,
+                    "start_rate": args.bus_start_rate, "factor": args.bus_factor, "min_rate": args.bus_min_rate,
+                    "max_rate": args.bus_max_rate,
                     "step_seconds": args.bus_step_seconds, "p99_ms": args.bus_p99_ms, "repeats": args.bus_repeats,
                     "refine": args.bus_refine, "compare_rate": args.bus_compare_rate, "stall_s": args.bus_stall,
                     "drain_timeout_s": args.bus_drain_timeout,
@@ -1735,6 +1773,7 @@ def main(argv: list[str] | None = None) -> int:
                                "receiver transport's channel",
                 },
                 "nats": {"available": nats is not None, "note": nats_missing},
+                "carried_over_from": carried,
                 "summary": rows_bus,
                 "runs": bus_runs,
             }

@@ -174,7 +174,7 @@ class RemoteFanout:
                     about[item.scope_id].add(item.message_id)
         asks = [(scope_id, *ranges.get(scope_id, (1, 0)), followers[scope_id], scope_id in need_readers,
                  sorted(about.get(scope_id, ()))) for scope_id in sorted(set(ranges) | need_readers | set(about))]
-        answers = await self.server.db.run(_entitlements, asks) if asks else {}
+        answers = await self.server.db.transaction(_entitlements, asks) if asks else {}
         events: list[tuple[CommittedEvent, Any]] = []
         for item in items:
             if not followers.get(item.scope_id):
@@ -206,6 +206,10 @@ class RemoteFanout:
 
 
 async def _entitlements(conn, asks) -> dict[str, tuple[dict[int, Any], frozenset[str], dict[str, list[str]]]]:
+    # The predicate is a large expression: planned for each call's arguments it cost 20-50 ms
+    # of planning per bus message against ~1 ms to run (bench/cluster.py, pg_stat_statements);
+    # one generic plan per connection serves every call.
+    await conn.execute("SET LOCAL plan_cache_mode = force_generic_plan")
     answers = {}
     for scope_id, from_seq, to_seq, members, readers_too, message_ids in asks:
         rows, readers, by_message = await visibility.followers_entitled(conn, scope_id, from_seq, to_seq, members,
