@@ -3,6 +3,7 @@ ephemeral signals (typing, presence) that are never stored."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -29,7 +30,7 @@ from tests.test_tenancy import expect_error, signed_in
 def server_config() -> ServerConfig:
     return ServerConfig(port=0, auth_timeout_seconds=2.0, shutdown_grace_seconds=1.0, commands_per_second=0.5,
                         command_burst=40, max_connections_per_member=3, heartbeat_seconds=0.2,
-                        heartbeat_timeout_seconds=1.0, idle_timeout_seconds=1.5, max_frame_bytes=64 * 1024)
+                        heartbeat_timeout_seconds=1.0, idle_timeout_seconds=3.0, max_frame_bytes=64 * 1024)
 
 
 async def test_commands_per_connection_are_rate_limited(app: App, tenants):
@@ -48,10 +49,11 @@ async def test_commands_per_connection_are_rate_limited(app: App, tenants):
 
 async def test_connections_per_member_are_limited(app: App, tenants):
     alpha, _ = tenants
-    async with connect(app.url) as a, connect(app.url) as b, connect(app.url) as c, connect(app.url) as d:
-        for conn in (a, b, c):
-            await conn.login(alpha.owner.email, alpha.owner.password)
-        await expect_error("rate_limited", d.login(alpha.owner.email, alpha.owner.password))
+    async with contextlib.AsyncExitStack() as stack:
+        for _ in range(3):  # each connects just before its login: none sits idle meanwhile
+            await (await stack.enter_async_context(connect(app.url))).login(alpha.owner.email, alpha.owner.password)
+        fourth = await stack.enter_async_context(connect(app.url))
+        await expect_error("rate_limited", fourth.login(alpha.owner.email, alpha.owner.password))
 
 
 async def test_oversized_frames_close_the_connection_not_the_server(app: App, tenants):
