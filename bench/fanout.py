@@ -80,8 +80,9 @@ import base64  # noqa: E402
 import collections  # noqa: E402
 import contextlib  # noqa: E402
 import datetime  # noqa: E402
+import functools  # noqa: E402
+import importlib.util  # noqa: E402
 import json  # noqa: E402
-import math  # noqa: E402
 import os  # noqa: E402
 import resource  # noqa: E402
 import select  # noqa: E402
@@ -92,19 +93,22 @@ import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
-import traceback  # noqa: E402
 from collections.abc import Callable  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
 from typing import Any  # noqa: E402
 from urllib.parse import urlsplit  # noqa: E402
 
-from bench.common import machine_info  # noqa: E402
+from bench.common import (descendants, machine_cpu_s, machine_info, merge_counters, proc_cpu_s,  # noqa: E402
+                          proc_rss_kib, tree_cpu_s)
+from bench.hist import hist_key, hist_latency_ms, hist_percentiles, merge_hists  # noqa: E402
+from bench.procs import (Procs, finish_py_spy, raise_nofile, read_ready, run_or_failure, spawn,  # noqa: E402
+                         start_py_spy)
+from bench.workers import (Worker, collect_reports, command_all, expect_all, open_window, stop_workers,  # noqa: E402
+                           wait_for_deliveries)
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUTPUT = ROOT / "bench" / "results" / "fanout.json"
 SIDES = ("baseline", "scopewire")
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-PAGE_KIB = os.sysconf("SC_PAGE_SIZE") // 1024
 
 OWNER_EMAIL = "owner@example.com"
 WORKSPACE_SLUG = "bench"
@@ -121,106 +125,6 @@ def make_content(ts_ns: int, size: int) -> str:
     head = f"ts={ts_ns:0{TS_DIGITS}d};"
     filler = "fanout bench payload, identical on both sides. "
     return head + (filler * (size // len(filler) + 1))[: max(0, size - len(head))]
-
-
-def _raise_nofile() -> int:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = hard if hard != resource.RLIM_INFINITY else 1 << 20
-    if soft < want:
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-
-
-# ============================================================================ /proc helpers
-
-def _stat_fields(pid: int) -> list[str] | None:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    except OSError:
-        return None
-
-
-def _start_time(pid: int) -> int | None:
-    fields = _stat_fields(pid)
-    return int(fields[19]) if fields is not None else None
-
-
-def proc_cpu_s(pid: int) -> float | None:
-    fields = _stat_fields(pid)
-    if fields is None:
-        return None
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
-def proc_rss_kib(pid: int) -> int | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
-def descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = collections.defaultdict(list)
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            fields = _stat_fields(int(entry))
-            if fields is not None:
-                children[int(fields[1])].append(int(entry))
-    out: list[int] = []
-    stack = [pid]
-    while stack:
-        for child in children.get(stack.pop(), ()):
-            out.append(child)
-            stack.append(child)
-    return out
-
-
-def machine_cpu_s() -> tuple[float, float]:
-    """(busy, total) CPU seconds of the whole machine so far, from /proc/stat."""
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-    idle = fields[3] + fields[4]  # idle + iowait
-    total = sum(fields)
-    return (total - idle) / CLK_TCK, total / CLK_TCK
-
-
-def tree_cpu_s(pids: list[int]) -> float:
-    return sum(c for c in (proc_cpu_s(p) for p in pids) if c is not None)
-
-
-def tree_rss_kib(pids: list[int]) -> int:
-    return sum(r for r in (proc_rss_kib(p) for p in pids) if r is not None)
-
-
-# ============================================================================ latency histogram
-# Keys: latency_us // 10 below 10 ms (10 us resolution), 1000 + latency_us // 1000 above (1 ms).
-
-def hist_key(latency_us: int) -> int:
-    return latency_us // 10 if latency_us < 10_000 else 1000 + latency_us // 1000
-
-
-def hist_value_ms(key: int) -> float:
-    return (key * 10 + 5) / 1000 if key < 1000 else (key - 1000) + 0.5
-
-
-def hist_percentiles(hist: dict[int, int], qs: tuple[float, ...]) -> dict[str, float | None]:
-    total = sum(hist.values())
-    out: dict[str, float | None] = {}
-    if total == 0:
-        return {f"p{q:g}": None for q in qs}
-    ordered = sorted(hist.items())
-    for q in qs:
-        rank = max(1, math.ceil(total * q / 100))
-        seen = 0
-        for key, count in ordered:
-            seen += count
-            if seen >= rank:
-                out[f"p{q:g}"] = round(hist_value_ms(key), 3)
-                break
-    return out
 
 
 # ============================================================================ subscriber client process
@@ -479,7 +383,7 @@ def control_frame(c: Any, payload: bytes, errors: collections.Counter[str]) -> d
 
 
 def run_subscribers(args: argparse.Namespace) -> int:
-    _raise_nofile()
+    raise_nofile()
     started = time.monotonic()
     keys = args.keys.split(",")
     subscribe_frame = client_frame(json.dumps({"op": "subscribe", "id": "s",
@@ -570,7 +474,7 @@ def event_envelope(workspace_id: str, scope_id: str, seq: int, content: str, aut
 
 
 def run_baseline_server(args: argparse.Namespace) -> int:
-    _raise_nofile()
+    raise_nofile()
     from websockets.asyncio.server import broadcast, serve
     from websockets.exceptions import ConnectionClosed
 
@@ -672,88 +576,7 @@ def read_gc_stats(path: Path | None) -> dict[str, Any] | None:
     return None
 
 
-# ============================================================================ parent: processes
-
-def _die_with_parent() -> None:
-    """preexec_fn: SIGTERM this child when the benchmark dies, however it dies (Linux)."""
-    import ctypes
-
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
-
-
-async def spawn(*argv: str, **kwargs: Any) -> asyncio.subprocess.Process:
-    return await asyncio.create_subprocess_exec(*argv, preexec_fn=_die_with_parent, **kwargs)
-
-
-class Procs:
-    """Every process this benchmark starts, so all of them are stopped on the way out."""
-
-    def __init__(self) -> None:
-        self.items: list[asyncio.subprocess.Process] = []
-
-    def add(self, proc: asyncio.subprocess.Process) -> asyncio.subprocess.Process:
-        self.items.append(proc)
-        return proc
-
-    async def stop(self, proc: asyncio.subprocess.Process, grace: float = 20.0) -> None:
-        if proc.returncode is None:
-            # (pid, start time): a pid reused by an unrelated process is never signalled.
-            tree = [(child, _start_time(child)) for child in descendants(proc.pid)]
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(proc.wait(), grace)
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
-                await proc.wait()
-            # Anything it left behind (e.g. a postmaster that outlived a SIGKILL): a few
-            # seconds to go by itself (parent-death signal), then SIGKILL.
-            for _ in range(50):
-                if not any(_start_time(pid) == started for pid, started in tree):
-                    break
-                await asyncio.sleep(0.1)
-            for pid, started in tree:
-                if started is not None and _start_time(pid) == started:
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.kill(pid, signal.SIGKILL)
-        if proc in self.items:
-            self.items.remove(proc)
-
-    async def stop_all(self) -> None:
-        for proc in list(self.items):
-            with contextlib.suppress(Exception):
-                await self.stop(proc)
-
-
-async def _read_ready(proc: asyncio.subprocess.Process, prefix: str, timeout: float) -> str:
-    async def read() -> str:
-        while True:
-            line = await proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"server exited before '{prefix}' (code {await proc.wait()})")
-            text = line.decode().strip()
-            if text.startswith(prefix):
-                return text.rsplit(" ", 1)[1]
-
-    return await asyncio.wait_for(read(), timeout)
-
-
-_BACKGROUND: set[asyncio.Task] = set()
-
-
-def _background(coro: Any) -> None:
-    """A fire-and-forget task that is kept referenced until it ends."""
-    task = asyncio.create_task(coro)
-    _BACKGROUND.add(task)
-    task.add_done_callback(_BACKGROUND.discard)
-
-
-async def _drain(stream: asyncio.StreamReader) -> None:
-    with contextlib.suppress(Exception):
-        while await stream.readline():
-            pass
-
+# ============================================================================ parent: scopewire CLI
 
 def _cli(data_dir: Path, *argv: str) -> Any:
     result = subprocess.run([sys.executable, "-m", "server.cli", *argv, "--data-dir", str(data_dir)],
@@ -847,12 +670,60 @@ class Sender:
             await asyncio.sleep(0.02)
         return self.answered()
 
+    async def settle(self, send: dict[str, Any]) -> int:
+        """After a measured run(): wait (at most 5 s) for the results still missing and add
+        acked/refused/unanswered to `send` (what run() returned); returns refused."""
+        acked, refused = await self.wait_answers(send["sent"], 5)
+        send.update({"acked": acked, "refused": refused, "unanswered": send["sent"] - acked - refused})
+        return refused
+
     async def close(self) -> None:
         for ws in self.ws:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(ws.close(), 5)
         for task in self.readers:
             task.cancel()
+
+
+# ============================================================================ parent: subscriber processes
+
+def process_shares(subscribers: int, client_procs: int) -> list[int]:
+    """Subscribers per client process: `client_procs` processes (at most one per subscriber),
+    shares as even as can be."""
+    n = max(1, min(client_procs, subscribers))
+    return [subscribers // n + (1 if i < subscribers % n else 0) for i in range(n)]
+
+
+async def start_subscribers(workers: list[Worker], procs: Procs, shares: list[int], urls: list[str],
+                            keys: list[str], scope_id: str, max_seconds: float,
+                            log_path: Callable[[int], Path]) -> None:
+    """One subscriber client process (--role subscribers) per share: process i connects shares[i]
+    subscribers to urls[i]; each is appended to `workers` as soon as it runs."""
+    for index, count in enumerate(shares):
+        with log_path(index).open("wb") as log:  # the child keeps its own descriptor
+            proc = procs.add(await spawn(
+                sys.executable, str(Path(__file__).resolve()), "--role", "subscribers", "--url", urls[index],
+                "--count", str(count), "--index", str(index), "--keys", ",".join(keys),
+                "--scope-id", scope_id, "--max-seconds", str(max_seconds), cwd=ROOT,
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, limit=64 * 1024 * 1024))
+        workers.append(Worker.started(proc))
+
+
+async def warm_up(sender: Sender, workers: list[Worker], rate: float, messages: int, subscribers: int,
+                  timeout: float) -> dict[str, Any]:
+    """`messages` sent (at `rate`, at most 100/s) and delivered (waiting at most `timeout` s)
+    before the window; their content carries a timestamp before T0, so none is measured."""
+    warm_rate = min(rate, 100.0)
+    out = await sender.run(warm_rate, messages / warm_rate)
+    acked, refused = await sender.wait_answers(messages, 60)
+    out.update({"acked": acked, "refused": refused})
+    t_warm = time.monotonic()
+    while sum(w.warm for w in workers) < acked * subscribers and time.monotonic() - t_warm < timeout:
+        await asyncio.sleep(0.1)
+    out["delivered"] = sum(w.warm for w in workers)
+    out["drain_s"] = round(time.monotonic() - t_warm, 2)
+    await asyncio.sleep(0.5)
+    return out
 
 
 # ============================================================================ parent: one run
@@ -865,48 +736,6 @@ class Fixture:
     subscriber_keys: list[str]
     sender_key: str
     log_dir: Path
-
-
-@dataclass
-class Worker:
-    proc: asyncio.subprocess.Process
-    progress: int = 0  # measured deliveries so far
-    warm: int = 0      # deliveries of earlier (warmup) messages so far
-    phases: asyncio.Queue = field(default_factory=asyncio.Queue)
-    reader: asyncio.Task | None = None
-
-    async def read(self) -> None:
-        while True:
-            try:
-                line = await self.proc.stdout.readline()
-            except (ValueError, asyncio.LimitOverrunError) as exc:
-                await self.phases.put({"phase": "unreadable", "error": str(exc)})
-                return
-            if not line:
-                await self.phases.put({"phase": "exit"})
-                return
-            try:
-                msg = json.loads(line)
-            except ValueError:
-                continue
-            if "p" in msg:
-                self.on_progress(msg)
-            else:
-                await self.phases.put(msg)
-
-    def on_progress(self, msg: dict[str, Any]) -> None:
-        self.progress = msg["p"]
-        self.warm = msg["w"]
-
-    async def command(self, text: str) -> None:
-        self.proc.stdin.write((text + "\n").encode())
-        await self.proc.stdin.drain()
-
-    async def expect(self, phase: str, timeout: float) -> dict[str, Any]:
-        msg = await asyncio.wait_for(self.phases.get(), timeout)
-        if msg.get("phase") != phase:
-            raise RuntimeError(f"client process: expected {phase}, got {msg}")
-        return msg
 
 
 async def start_server(side: str, fx: Fixture, args: argparse.Namespace, procs: Procs,
@@ -927,13 +756,12 @@ async def start_server(side: str, fx: Fixture, args: argparse.Namespace, procs: 
                 launcher = ["-m", "server.cli"]
             proc = procs.add(await spawn(
                 sys.executable, *launcher, *serve, cwd=ROOT, stdout=subprocess.PIPE, stderr=log))
-            url = await _read_ready(proc, "scopewire ready on", 180)
+            url = await read_ready(proc, "scopewire ready on", 180)
         else:
             proc = procs.add(await spawn(
                 sys.executable, str(Path(__file__).resolve()), "--role", "baseline-server",
                 "--baseline-loop", args.baseline_loop, cwd=ROOT, stdout=subprocess.PIPE, stderr=log))
-            url = await _read_ready(proc, "baseline ready on", 60)
-    _background(_drain(proc.stdout))
+            url = await read_ready(proc, "baseline ready on", 60)
     return proc, url
 
 
@@ -977,89 +805,56 @@ async def one_run(side: str, subscribers: int, rate: float, fx: Fixture, args: a
         rss_base = proc_rss_kib(pid)
 
         # ---- subscriber processes: connect + authenticate
-        procs_n = max(1, min(args.client_procs, subscribers))
-        shares = [subscribers // procs_n + (1 if i < subscribers % procs_n else 0) for i in range(procs_n)]
+        shares = process_shares(subscribers, args.client_procs)
         phase_timeout = 60 + subscribers / 20
-        for index, count in enumerate(shares):
-            with (fx.log_dir / f"{tag}-{side}-client{index}.log").open("wb") as log:
-                wp = procs.add(await spawn(
-                    sys.executable, str(Path(__file__).resolve()), "--role", "subscribers", "--url", url,
-                    "--count", str(count), "--index", str(index), "--keys", ",".join(fx.subscriber_keys),
-                    "--scope-id", fx.scope_id, "--max-seconds", str(args.timeout), cwd=ROOT,
-                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, limit=64 * 1024 * 1024))
-            w = Worker(wp)
-            w.reader = asyncio.create_task(w.read())
-            workers.append(w)
+        await start_subscribers(workers, procs, shares, [url] * len(shares), fx.subscriber_keys, fx.scope_id,
+                                args.timeout, lambda index: fx.log_dir / f"{tag}-{side}-client{index}.log")
         run["stage"] = "subscribers connect + auth"
         t_conn = time.monotonic()
-        authed = [await w.expect("authed", phase_timeout) for w in workers]
+        authed = await expect_all(workers, "authed", phase_timeout)
         run["connect_auth_s"] = round(time.monotonic() - t_conn, 2)
         run["authed"] = sum(a["authed"] for a in authed)
-        run["client_setup_errors"] = _merge_counters(a["errors"] for a in authed)
+        run["client_setup_errors"] = merge_counters(a["errors"] for a in authed)
         await asyncio.sleep(args.settle)
         rss_auth = proc_rss_kib(pid)
 
         # ---- subscribe
         run["stage"] = "subscribe"
         t_sub = time.monotonic()
-        for w in workers:
-            await w.command("subscribe")
-        subscribed = [await w.expect("subscribed", phase_timeout) for w in workers]
+        await command_all(workers, "subscribe")
+        subscribed = await expect_all(workers, "subscribed", phase_timeout)
         run["subscribe_s"] = round(time.monotonic() - t_sub, 2)
         run["subscribed"] = n_sub = sum(s["subscribed"] for s in subscribed)
-        run["client_setup_errors"] = _merge_counters(s["errors"] for s in subscribed)
+        run["client_setup_errors"] = merge_counters(s["errors"] for s in subscribed)
         await asyncio.sleep(args.settle)
         rss_sub = proc_rss_kib(pid)
         if n_sub == 0:
             raise RuntimeError(f"no subscriber subscribed: {run['client_setup_errors']}")
 
-        # ---- warmup (not measured: its content carries a timestamp before T0)
+        # ---- warmup
         run["stage"] = "warmup"
         if args.warmup > 0:
-            warm_rate = min(rate, 100.0)
-            run["warmup"] = await sender.run(warm_rate, args.warmup / warm_rate)
-            acked, refused = await sender.wait_answers(args.warmup, 60)
-            run["warmup"].update({"acked": acked, "refused": refused})
-            t_warm = time.monotonic()
-            while sum(w.warm for w in workers) < acked * n_sub and time.monotonic() - t_warm < 120:
-                await asyncio.sleep(0.1)
-            run["warmup"]["delivered"] = sum(w.warm for w in workers)
-            run["warmup"]["drain_s"] = round(time.monotonic() - t_warm, 2)
-            await asyncio.sleep(0.5)
+            run["warmup"] = await warm_up(sender, workers, rate, args.warmup, n_sub, 120)
 
         # ---- measured window
-        t0 = time.time_ns() + 300_000_000
-        t1 = t0 + int(args.duration * 1e9)
-        for w in workers:
-            await w.command(f"measure {t0} {t1}")
         worker_pids = [w.proc.pid for w in workers]
-        await asyncio.sleep(max(0.0, (t0 - time.time_ns()) / 1e9 - 0.05))
+        t0 = await open_window(workers, args.duration)
         gc_file = fx.log_dir / f"{tag}-gc-stats.json" if args.gc_stats and side == "scopewire" else None
         gc0 = read_gc_stats(gc_file)
         cpu0 = _cpu_snapshot(pid, worker_pids)
         wall0 = time.perf_counter()
         spy = None
         if profile:
-            spy = await _start_py_spy(pid, args.duration, fx.log_dir / f"{tag}-{side}-py-spy.txt")
+            spy = await start_py_spy(pid, args.duration, fx.log_dir / f"{tag}-{side}-py-spy.txt")
         run["stage"] = "measured sends"
         send = await asyncio.wait_for(sender.run(rate, args.duration, start_ns=t0), args.duration + 120)
         run["send"] = send
 
-        # ---- drain: until every send that was not refused reached every subscriber, or no
-        # progress for --stall s, or --drain-timeout
+        # ---- drain (or until the RSS watch aborts the run)
         run["stage"] = "drain"
         t_drain = time.monotonic()
-        last_total, last_change = -1, time.monotonic()
-        while True:
-            await asyncio.sleep(0.25)
-            total = sum(w.progress for w in workers)
-            expected = (send["sent"] - sender.answered()[1]) * n_sub
-            if total != last_total:
-                last_total, last_change = total, time.monotonic()
-            if total >= expected or peak["aborted"]:
-                break
-            if time.monotonic() - last_change > args.stall or time.monotonic() - t_drain > args.drain_timeout:
-                break
+        await wait_for_deliveries(workers, sender, send["sent"], n_sub, args.stall, args.drain_timeout,
+                                  give_up=lambda: peak["aborted"])
         wall = time.perf_counter() - wall0
         cpu1 = _cpu_snapshot(pid, worker_pids)
         gc1 = read_gc_stats(gc_file)
@@ -1072,34 +867,25 @@ async def one_run(side: str, subscribers: int, rate: float, fx: Fixture, args: a
                 if gc1["cpu_s"] > gc0["cpu_s"] else None,
             }
         run["drain_s"] = round(time.monotonic() - t_drain, 2)
-        acked, refused = await sender.wait_answers(send["sent"], 5)
-        send.update({"acked": acked, "refused": refused, "unanswered": send["sent"] - acked - refused})
+        refused = await sender.settle(send)
         run["send_errors"] = dict(sender.errors)
         run["ack_latency_ms"] = hist_percentiles(sender.ack_hist, (50, 99))
         expected = (send["sent"] - refused) * n_sub
         if spy is not None:
-            run["py_spy"] = await _finish_py_spy(*spy)
+            run["py_spy"] = await finish_py_spy(*spy)
 
         # ---- collect
         run["stage"] = "report"
-        for w in workers:
-            await w.command("report")
-        reports = [await w.expect("report", 120) for w in workers]
+        reports = await collect_reports(workers)
         rss_after = proc_rss_kib(pid)
     finally:
         watcher.cancel()
         await sender.close()
-        for w in workers:
-            await procs.stop(w.proc, grace=10)
-            if w.reader:
-                w.reader.cancel()
+        await stop_workers(procs, workers)
         await procs.stop(proc)
 
     measured = sum(r["measured"] for r in reports)
-    hist: dict[int, int] = {}
-    for r in reports:
-        for k, v in r["hist"].items():
-            hist[int(k)] = hist.get(int(k), 0) + v
+    hist = merge_hists(r["hist"] for r in reports)
     first = min((r["first_ns"] for r in reports if r["first_ns"]), default=0)
     last = max((r["last_ns"] for r in reports if r["last_ns"]), default=0)
     span = (last - t0) / 1e9 if last else None
@@ -1117,12 +903,11 @@ async def one_run(side: str, subscribers: int, rate: float, fx: Fixture, args: a
                         and measured / span >= 0.95 * rate * n_sub),
         "first_delivery_after_t0_ms": round((first - t0) / 1e6, 2) if first else None,
         "last_delivery_after_t0_s": round(span, 3) if span else None,
-        "latency_ms": {**hist_percentiles(hist, (50, 90, 99, 99.9)),
-                       "max": round(hist_value_ms(max(hist)), 3) if hist else None},
+        "latency_ms": hist_latency_ms(hist, (50, 90, 99, 99.9)),
         "frame_bytes_mean": round(sum(r["measured_bytes"] for r in reports) / measured, 1) if measured else None,
-        "closes": _merge_counters(r["closes"] for r in reports),
-        "client_errors": _merge_counters(r["errors"] for r in reports),
-        "client_counts": _merge_counters(r["counts"] for r in reports),
+        "closes": merge_counters(r["closes"] for r in reports),
+        "client_errors": merge_counters(r["errors"] for r in reports),
+        "client_counts": merge_counters(r["counts"] for r in reports),
         "subscribed_at_end": sum(r["subscribed_at_end"] for r in reports),
         "rss_kib": {"base": rss_base, "authenticated": rss_auth, "subscribed": rss_sub, "peak": peak["rss"],
                     "after_load": rss_after},
@@ -1135,13 +920,6 @@ async def one_run(side: str, subscribers: int, rate: float, fx: Fixture, args: a
         "seconds": round(time.monotonic() - t_start, 1),
     })
     return run
-
-
-def _merge_counters(items) -> dict[str, int]:
-    out: collections.Counter[str] = collections.Counter()
-    for item in items:
-        out.update(item)
-    return dict(out)
 
 
 def _cpu_delta(a: dict[str, Any], b: dict[str, Any], wall: float) -> dict[str, Any]:
@@ -1174,54 +952,6 @@ async def wait_for_quiet(args: argparse.Namespace) -> dict[str, Any]:
     return {"waited_s": round(time.monotonic() - waited, 1), "machine_busy_before": round(busy, 2)}
 
 
-# ============================================================================ py-spy (optional)
-
-async def _start_py_spy(pid: int, seconds: float, out: Path):
-    exe = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
-    if not Path(exe).exists():
-        return None
-    proc = await spawn(
-        exe, "record", "--pid", str(pid), "--duration", str(max(1, int(seconds))), "--rate", "100",
-        "--format", "raw", "--output", str(out),
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return proc, out
-
-
-async def _finish_py_spy(proc: asyncio.subprocess.Process, out: Path) -> dict[str, Any]:
-    try:
-        await asyncio.wait_for(proc.wait(), 60)
-    except TimeoutError:
-        proc.kill()
-        await proc.wait()
-    if not out.exists():
-        return {"error": "no profile written"}
-    self_time: collections.Counter[str] = collections.Counter()
-    inclusive: collections.Counter[str] = collections.Counter()
-    total = 0
-    for line in out.read_text().splitlines():
-        stack, _, count = line.rpartition(" ")
-        if not stack or not count.isdigit():
-            continue
-        n = int(count)
-        total += n
-        frames = stack.split(";")
-        self_time[_short_frame(frames[-1])] += n
-        for name in {_short_frame(f) for f in frames}:
-            inclusive[name] += n
-    return {"file": str(out), "samples": total,
-            "self_top": [(k, round(100 * v / total, 1)) for k, v in self_time.most_common(25)] if total else [],
-            "inclusive_top": [(k, round(100 * v / total, 1)) for k, v in inclusive.most_common(40)] if total else []}
-
-
-def _short_frame(frame: str) -> str:
-    # "func (path/to/file.py:123)" -> "func (file.py)"
-    name, _, where = frame.partition(" (")
-    path = where.rstrip(")").rsplit(":", 1)[0]
-    parts = Path(path).parts
-    short = "/".join(parts[-2:]) if parts else path
-    return f"{name} ({short})"
-
-
 # ============================================================================ parent: setup
 
 async def _call(ws: Any, request: dict[str, Any]) -> dict[str, Any]:
@@ -1234,38 +964,46 @@ async def _call(ws: Any, request: dict[str, Any]) -> dict[str, Any]:
             return msg["data"]
 
 
-async def build_fixture(args: argparse.Namespace, procs: Procs, data_dir: Path, log_dir: Path) -> Fixture:
-    """An instance, a service member with --api-keys keys (the subscribers), an owner key
-    (the sender), one channel with both in it.  Done beside a first `serve`."""
+async def provision_fixture(run_cli: Callable[..., Any], url: str, api_keys: int) -> tuple[str, str, list[str], str]:
+    """The fixture of the fanout benchmarks (this one and bench/cluster.py), through `run_cli(*argv)`
+    (`python -m server.cli ARGV` on the instance) and the server at `url`: an instance, a service
+    member with `api_keys` read keys (the subscribers), an owner read/write key (the sender), one
+    public channel with both in it.  Returns (workspace id, scope id, subscriber keys, sender key)."""
     from websockets.asyncio.client import connect
 
+    async def cli(*argv: str) -> Any:
+        return await asyncio.to_thread(run_cli, *argv)
+
+    init = await cli("init", "--email", OWNER_EMAIL, "--name", "Owner", "--workspace-name", "Bench",
+                     "--workspace-slug", WORKSPACE_SLUG)
+    sub = await cli("member", "create-service", "--workspace", WORKSPACE_SLUG, "--handle", "fanout-sub",
+                    "--name", "Fanout subscriber")
+    keys = []
+    for i in range(api_keys):
+        keys.append((await cli("apikey", "create", "--workspace", WORKSPACE_SLUG, "--member", sub["member_id"],
+                               "--name", f"sub-{i}", "--scopes", "read"))["key"])
+    sender_key = (await cli("apikey", "create", "--workspace", WORKSPACE_SLUG, "--member", OWNER_EMAIL,
+                            "--name", "sender", "--scopes", "read,write"))["key"]
+    async with connect(url, compression=None) as ws:
+        await _call(ws, {"op": "login", "id": "1", "email": OWNER_EMAIL, "password": init["password"]})
+        scope = await _call(ws, {"op": "channel.create", "id": "2", "slug": "fanout", "display_name": "Fanout",
+                                 "visibility": "public"})
+        await _call(ws, {"op": "scope.invite", "id": "3", "scope_id": scope["id"],
+                         "member_ids": [sub["member_id"]]})
+    return init["workspace_id"], scope["id"], keys, sender_key
+
+
+async def build_fixture(args: argparse.Namespace, procs: Procs, data_dir: Path, log_dir: Path) -> Fixture:
+    """provision_fixture() beside a first `serve` of the data dir."""
     with (log_dir / "setup-serve.log").open("wb") as log:
         proc = procs.add(await spawn(
             sys.executable, "-m", "server.cli", "serve", "--data-dir", str(data_dir), "--port", "0",
             cwd=ROOT, stdout=subprocess.PIPE, stderr=log))
     try:
-        url = await _read_ready(proc, "scopewire ready on", 300)
-        _background(_drain(proc.stdout))
-        async def cli(*argv: str) -> Any:
-            return await asyncio.to_thread(_cli, data_dir, *argv)
-
-        init = await cli("init", "--email", OWNER_EMAIL, "--name", "Owner", "--workspace-name", "Bench",
-                         "--workspace-slug", WORKSPACE_SLUG)
-        sub = await cli("member", "create-service", "--workspace", WORKSPACE_SLUG, "--handle", "fanout-sub",
-                        "--name", "Fanout subscriber")
-        keys = []
-        for i in range(args.api_keys):
-            keys.append((await cli("apikey", "create", "--workspace", WORKSPACE_SLUG, "--member", sub["member_id"],
-                                   "--name", f"sub-{i}", "--scopes", "read"))["key"])
-        sender_key = (await cli("apikey", "create", "--workspace", WORKSPACE_SLUG, "--member", OWNER_EMAIL,
-                                "--name", "sender", "--scopes", "read,write"))["key"]
-        async with connect(url, compression=None) as ws:
-            await _call(ws, {"op": "login", "id": "1", "email": OWNER_EMAIL, "password": init["password"]})
-            scope = await _call(ws, {"op": "channel.create", "id": "2", "slug": "fanout", "display_name": "Fanout",
-                                     "visibility": "public"})
-            await _call(ws, {"op": "scope.invite", "id": "3", "scope_id": scope["id"],
-                             "member_ids": [sub["member_id"]]})
-        return Fixture(data_dir, init["workspace_id"], scope["id"], keys, sender_key, log_dir)
+        url = await read_ready(proc, "scopewire ready on", 300)
+        workspace_id, scope_id, keys, sender_key = await provision_fixture(
+            functools.partial(_cli, data_dir), url, args.api_keys)
+        return Fixture(data_dir, workspace_id, scope_id, keys, sender_key, log_dir)
     finally:
         await procs.stop(proc)
 
@@ -1535,14 +1273,9 @@ async def benchmark(args: argparse.Namespace, scratch: Path, procs: Procs) -> tu
                 done += 1
                 tag = f"{subscribers}-{rate:g}-r{repeat}"
                 profile = args.py_spy and side == "scopewire"
-                run = {}
-                try:
-                    run = await one_run(side, subscribers, rate, fx, args, procs, tag, profile, run)
-                except Exception as exc:  # noqa: BLE001 - one failed run does not lose the others
-                    traceback.print_exc()
-                    run = {"side": side, "subscribers": subscribers, "rate": rate,
-                           "error": f"{type(exc).__name__} during {run.get('stage')}: {exc}"[:500]}
-                    await procs.stop_all()
+                run = await run_or_failure(
+                    lambda run: one_run(side, subscribers, rate, fx, args, procs, tag, profile, run),
+                    {"side": side, "subscribers": subscribers, "rate": rate}, procs)
                 run["repeat"] = repeat
                 runs.append(run)
                 if "error" in run:
@@ -1569,13 +1302,11 @@ def main(argv: list[str] | None = None) -> int:
         return run_subscribers(args)
     if args.role == "baseline-server":
         return run_baseline_server(args)
-    try:
-        import websockets  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("websockets") is None:
         print("bench/fanout.py needs the `websockets` package (pip install websockets)", file=sys.stderr)
         return 2
 
-    nofile = _raise_nofile()
+    nofile = raise_nofile()
     biggest = max(s for s, _ in args.configs)
     if nofile < biggest + 1000:
         print(f"WARNING: open-file limit {nofile} is low for {biggest} connections", file=sys.stderr)

@@ -94,6 +94,7 @@ from urllib.parse import urlsplit, urlunsplit  # noqa: E402
 import asyncpg  # noqa: E402
 
 from bench.common import machine_info, parent_pid, percentile, process_tree_cpu_seconds  # noqa: E402
+from bench.procs import read_ready, spawn  # noqa: E402
 from client.asyncio_client import AsyncioConnection, connect  # noqa: E402
 from client.trio_client import ClientError  # noqa: E402
 from server.credentials import API_KEY_PREFIX, generate_secret, secret_hash  # noqa: E402
@@ -468,33 +469,18 @@ async def build_fixture(dsn: str, args: argparse.Namespace, log: Callable[[str],
 
 # ----------------------------------------------------------------------------- the server process
 
-def _die_with_parent() -> None:
-    """preexec_fn: SIGTERM the server when the benchmark dies, however it dies (Linux)."""
-    import ctypes
-
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
-
-
-async def start_server(dsn: str, scratch: Path, log_level: str) -> tuple[asyncio.subprocess.Process, str]:
-    log_file = (scratch / "serve.log").open("wb")
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "server.cli", "serve", "--database-url", dsn, "--port", "0",
-        "--log-level", log_level, "--session-key-file", str(scratch / "session-key.pem"),
-        "--commands-per-second", "1000000", "--data-dir", str(scratch / "data"),
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=log_file, preexec_fn=_die_with_parent)
-    log_file.close()
-
-    async def ready() -> str:
-        while True:
-            line = await proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"server exited (code {await proc.wait()}); see {scratch / 'serve.log'}")
-            text = line.decode().strip()
-            if text.startswith("scopewire ready on"):
-                return text.rsplit(" ", 1)[1]
-
-    url = await asyncio.wait_for(ready(), 120)
-    return proc, url
+async def start_server(dsn: str, scratch: Path, log_level: str,
+                       *serve_args: str) -> tuple[asyncio.subprocess.Process, str]:
+    """`python -m server.cli serve` on `dsn` (data dir and session key in `scratch`, stderr to
+    scratch/serve.log) with `serve_args` added; returns the process and its URL."""
+    log_path = scratch / "serve.log"
+    with log_path.open("wb") as log_file:  # the child keeps its own descriptor
+        proc = await spawn(
+            sys.executable, "-m", "server.cli", "serve", "--database-url", dsn, "--port", "0",
+            "--log-level", log_level, "--session-key-file", str(scratch / "session-key.pem"),
+            "--commands-per-second", "1000000", "--data-dir", str(scratch / "data"), *serve_args,
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=log_file)
+    return proc, await read_ready(proc, "scopewire ready on", 120, log_path)
 
 
 async def stop_server(proc: asyncio.subprocess.Process) -> None:

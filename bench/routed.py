@@ -91,11 +91,13 @@ from typing import Any  # noqa: E402
 
 import asyncpg  # noqa: E402
 
-from bench.common import machine_info, parent_pid, percentile, process_tree_cpu_seconds, spread  # noqa: E402
-from bench.fanout import (Procs, Sender, Worker, _background, _drain, _emit, _f, _merge_counters,  # noqa: E402
-                          _raise_nofile, _read_ready, client_frame, client_loop, close_with_reset, connect_clients,
-                          control_frame, hist_key, hist_percentiles, hist_value_ms, machine_cpu_s, proc_cpu_s, spawn,
-                          tree_cpu_s, wait_for_quiet)
+from bench.common import (machine_cpu_s, machine_info, merge_counters, parent_pid, percentile,  # noqa: E402
+                          proc_cpu_s, process_tree_cpu_seconds, spread, tree_cpu_s)
+from bench.fanout import (Sender, _emit, _f, client_frame, client_loop, close_with_reset, connect_clients,  # noqa: E402
+                          control_frame, wait_for_quiet)
+from bench.hist import hist_key, hist_latency_ms, hist_percentiles, merge_hists  # noqa: E402
+from bench.procs import Procs, raise_nofile, read_ready, run_or_failure, spawn  # noqa: E402
+from bench.workers import Worker, collect_reports, command_all, expect_all, stop_workers  # noqa: E402
 from server.credentials import API_KEY_PREFIX, generate_secret, secret_hash  # noqa: E402
 from storage import applier, tenancy  # noqa: E402
 from storage.ids import new_id  # noqa: E402
@@ -144,7 +146,7 @@ class _Agent:
 
 
 def run_agents(args: argparse.Namespace) -> int:
-    _raise_nofile()
+    raise_nofile()
     started = time.monotonic()
     agents = json.loads(Path(args.agents_file).read_text())  # [[api_key, handle], ...]
     routed = args.mode == "routed"
@@ -391,8 +393,7 @@ async def start_server(fx: Fixture, scratch: Path, args: argparse.Namespace, pro
             "--data-dir", str(scratch / "data"), "--commands-per-second", caps, "--max-connections", caps,
             "--max-unauthenticated", caps, "--max-unauthenticated-per-address", caps,
             cwd=ROOT, stdout=subprocess.PIPE, stderr=log_file))
-    url = await _read_ready(proc, "scopewire ready on", 180)
-    _background(_drain(proc.stdout))
+    url = await read_ready(proc, "scopewire ready on", 180)
     return proc, url
 
 
@@ -433,7 +434,7 @@ class MentionSender(Sender):
 
 @dataclass
 class AgentWorker(Worker):
-    """bench/fanout.py's Worker, reading the agent client's progress lines (p/w/m/a)."""
+    """bench/workers.py's Worker, reading the agent client's progress lines (p/w/m/a)."""
 
     events: int = 0  # follow: measured message events received
     acks: int = 0    # routed: seqs the server reported acked
@@ -466,24 +467,21 @@ async def latency_run(side: str, rate: float, fx: Fixture, args: argparse.Namesp
                     "--mode", side, "--agents-file", str(agents_file), "--scope-id", group.scope_id,
                     "--max-in-flight", str(args.max_in_flight), "--max-seconds", str(args.timeout), cwd=ROOT,
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_file, limit=64 * 1024 * 1024))
-            w = AgentWorker(wp)
-            w.reader = asyncio.create_task(w.read())
-            workers.append(w)
+            workers.append(AgentWorker.started(wp))
         phase_timeout = 60 + len(group.keys) / 20
         run["stage"] = "agents connect + auth"
         t = time.monotonic()
-        authed = [await w.expect("authed", phase_timeout) for w in workers]
+        authed = await expect_all(workers, "authed", phase_timeout)
         run["connect_auth_s"] = round(time.monotonic() - t, 2)
         run["authed"] = sum(a["authed"] for a in authed)
         run["stage"] = "subscribe"
         t = time.monotonic()
-        for w in workers:
-            await w.command("subscribe")
-        subscribed = [await w.expect("subscribed", phase_timeout) for w in workers]
+        await command_all(workers, "subscribe")
+        subscribed = await expect_all(workers, "subscribed", phase_timeout)
         run["subscribe_s"] = round(time.monotonic() - t, 2)
         run["subscribed"] = n_sub = sum(s["subscribed"] for s in subscribed)
         run["unacked_at_subscribe"] = sum(s.get("unacked_at_subscribe", 0) for s in subscribed)
-        run["client_setup_errors"] = _merge_counters(s["errors"] for s in subscribed)
+        run["client_setup_errors"] = merge_counters(s["errors"] for s in subscribed)
         if n_sub < len(group.keys):
             raise RuntimeError(f"{n_sub} of {len(group.keys)} agents subscribed: {run['client_setup_errors']}")
 
@@ -513,8 +511,7 @@ async def latency_run(side: str, rate: float, fx: Fixture, args: argparse.Namesp
         # ---- measured window
         run["stage"] = "measured sends"
         t0 = time.time_ns() + 300_000_000
-        for w in workers:
-            await w.command(f"measure {t0}")
+        await command_all(workers, f"measure {t0}")
         worker_pids = [w.proc.pid for w in workers]
         await asyncio.sleep(max(0.0, (t0 - time.time_ns()) / 1e9 - 0.05))
         cpu0 = _cpu(proc.pid, fx.postmaster_pid, worker_pids)
@@ -545,35 +542,26 @@ async def latency_run(side: str, rate: float, fx: Fixture, args: argparse.Namesp
         wall = time.perf_counter() - wall0
         cpu1 = _cpu(proc.pid, fx.postmaster_pid, worker_pids)
         run["drain_s"] = round(time.monotonic() - t_drain, 2)
-        acked, refused = await sender.wait_answers(send["sent"], 5)
-        send.update({"acked": acked, "refused": refused, "unanswered": send["sent"] - acked - refused})
+        await sender.settle(send)
         run["send_errors"] = dict(sender.errors)
         run["send_result_latency_ms"] = hist_percentiles(sender.ack_hist, (50, 99))
 
         run["stage"] = "report"
-        for w in workers:
-            await w.command("report")
-        reports = [await w.expect("report", 120) for w in workers]
+        reports = await collect_reports(workers)
     finally:
         await sender.close()
-        for w in workers:
-            await procs.stop(w.proc, grace=10)
-            if w.reader:
-                w.reader.cancel()
+        await stop_workers(procs, workers)
         await procs.stop(proc)
 
-    hist: dict[int, int] = {}
-    for r in reports:
-        for k, v in r["hist"].items():
-            hist[int(k)] = hist.get(int(k), 0) + v
+    hist = merge_hists(r["hist"] for r in reports)
     measured = sum(r["measured"] for r in reports)
     expected = send["sent"] - send["refused"]
     if expected and not measured:
         raise RuntimeError(f"none of {expected} messages reached its agent (see the server log)")
     last_ns = max((r["last_ns"] for r in reports if r["last_ns"]), default=0)
     span = (last_ns - t0) / 1e9 if last_ns else None
-    frames = _merge_counters(r["frames"] for r in reports)
-    stats = _merge_counters(r["stats"] for r in reports)
+    frames = merge_counters(r["frames"] for r in reports)
+    stats = merge_counters(r["stats"] for r in reports)
     frame_count = sum(v for k, v in frames.items() if k != "bytes")
     run.update({
         "expected_deliveries": expected,
@@ -581,8 +569,7 @@ async def latency_run(side: str, rate: float, fx: Fixture, args: argparse.Namesp
         "delivered_fraction": round(measured / expected, 4) if expected else None,
         "deliveries_per_s": round(measured / span, 1) if span else 0.0,
         "kept_up": bool(expected and measured >= 0.99 * expected and span and measured / span >= 0.95 * rate),
-        "latency_ms": {**hist_percentiles(hist, (50, 90, 99)),
-                       "max": round(hist_value_ms(max(hist)), 3) if hist else None},
+        "latency_ms": hist_latency_ms(hist, (50, 90, 99)),
         "acked": stats.get("acked", 0),
         "duplicates": stats.get("duplicates", 0),
         "redeliveries": stats.get("redeliveries", 0),
@@ -593,8 +580,8 @@ async def latency_run(side: str, rate: float, fx: Fixture, args: argparse.Namesp
         "server_frame_bytes": frames.get("bytes", 0),
         "server_frames_per_message": round(frame_count / expected, 2) if expected else None,
         "client_stats": stats,
-        "client_errors": _merge_counters(r["errors"] for r in reports),
-        "closes": _merge_counters(r["closes"] for r in reports),
+        "client_errors": merge_counters(r["errors"] for r in reports),
+        "closes": merge_counters(r["closes"] for r in reports),
         "cpu": _cpu_delta(cpu0, cpu1, wall),
         "hist": {str(k): v for k, v in sorted(hist.items())},
         "seconds": round(time.monotonic() - t_start, 1),
@@ -948,15 +935,10 @@ async def benchmark(fx: Fixture, args: argparse.Namespace, scratch: Path,
                 order = args.sides if (repeat + index) % 2 == 0 else args.sides[::-1]
                 for side in order:
                     done += 1
-                    run: dict[str, Any] = {}
-                    try:
-                        run = await latency_run(side, rate, fx, args, procs, scratch, f"{side}-{rate:g}-r{repeat}",
-                                                run)
-                    except Exception as exc:  # noqa: BLE001 - one failed run does not lose the others
-                        traceback.print_exc()
-                        run = {"side": side, "rate": rate,
-                               "error": f"{type(exc).__name__} during {run.get('stage')}: {exc}"[:500]}
-                        await procs.stop_all()
+                    run = await run_or_failure(
+                        lambda run: latency_run(side, rate, fx, args, procs, scratch, f"{side}-{rate:g}-r{repeat}",
+                                                run),
+                        {"side": side, "rate": rate}, procs)
                     run["repeat"] = repeat
                     runs.append(run)
                     if "error" in run:
@@ -995,7 +977,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from storage.cluster import ClusterSettings, PostgresCluster
 
-    _raise_nofile()
+    raise_nofile()
     started_at = datetime.datetime.now(datetime.UTC)
     loadavg_at_start = os.getloadavg()
     scratch = Path(tempfile.mkdtemp(prefix="scopewire-bench-routed-"))

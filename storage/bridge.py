@@ -21,7 +21,7 @@ import collections
 import logging
 import threading
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import asyncpg
@@ -86,6 +86,33 @@ class Notification:
     # True on the first item after the listening connection was re-established:
     # notifications sent while it was down are lost, so consumers must resync.
     resync: bool = False
+
+
+class ResyncOnOverflow:
+    """The trio side of a hand-over from an asyncio loop into a bounded memory channel
+    (LISTEN here, the NATS bus in server/bus_nats.py).  The loop must never wait for
+    trio's consumer, so an item that does not fit is dropped, and the next one that
+    fits carries resync=True: the consumer then knows to catch up from durable state.
+    Items are frozen dataclasses with a `resync` field."""
+
+    def __init__(self, send: trio.MemorySendChannel[Any]) -> None:
+        self._send = send
+        self._pending_resync = False  # an item was dropped since the last one handed over
+
+    def offer(self, item: Any) -> bool:
+        """Hand `item` over, or drop it when the channel is full; False once the channel
+        is closed (everything after it is dropped too)."""
+        if self._pending_resync and not item.resync:
+            item = replace(item, resync=True)
+        try:
+            self._send.send_nowait(item)
+        except trio.WouldBlock:
+            self._pending_resync = True
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            return False
+        else:
+            self._pending_resync = False
+        return True
 
 
 @dataclass(frozen=True)
@@ -329,7 +356,7 @@ class _Listener:
         self._db = db
         self._channels = channels
         self._send, self._receive = trio.open_memory_channel[Notification](buffer)
-        self._pending_resync = False
+        self._handover = ResyncOnOverflow(self._send)
         self._conn: asyncpg.Connection | None = None
         self._keeper: asyncio.Task | None = None
         self._stopping = False
@@ -391,22 +418,8 @@ class _Listener:
     def _push(self, note: Notification) -> None:
         token = self._db._trio_token
         assert token is not None
-
-        def deliver() -> None:
-            if self._pending_resync:
-                note_to_send = Notification(note.channel, note.payload, resync=True)
-            else:
-                note_to_send = note
-            try:
-                self._send.send_nowait(note_to_send)
-                self._pending_resync = False
-            except trio.WouldBlock:
-                self._pending_resync = True
-            except (trio.ClosedResourceError, trio.BrokenResourceError):
-                pass
-
         try:
-            token.run_sync_soon(deliver)
+            token.run_sync_soon(self._handover.offer, note)
         except trio.RunFinishedError:
             pass
 

@@ -18,7 +18,8 @@ from storage.bridge import Database, PoolSettings
 
 
 class ServerThread:
-    """`setup(db, url)` runs once the server listens; its result is `base`."""
+    """`setup(db, url)` runs once the server listens; its result is `base`.  The server's
+    pool, WebSocket URL and nursery (for tasks in its loop) are `db`, `url` and `nursery`."""
 
     def __init__(self, dsn: str, config: ServerConfig,
                  setup: Callable[[Database, str], Awaitable[Any]]) -> None:
@@ -35,12 +36,26 @@ class ServerThread:
         assert started, "the server did not start"
         return self
 
-    def __exit__(self, *exc) -> None:
-        trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
+    def __exit__(self, exc_type, *exc) -> None:
+        try:
+            trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
+        except trio.RunFinishedError as ended:
+            if exc_type is None:  # the server died and no step noticed: say why
+                raise self._cause_of_death(ended) from None
+            return  # the step that noticed raised why
         self._thread.join(30)
 
     def run(self, fn, *args):
-        return trio.from_thread.run(fn, *args, trio_token=self._token)
+        """`await fn(*args)` in the server's loop, from the test's thread."""
+        try:
+            return trio.from_thread.run(fn, *args, trio_token=self._token)
+        except (trio.Cancelled, trio.RunFinishedError) as ended:
+            raise self._cause_of_death(ended) from None  # the server's loop ended under this call
+
+    def _cause_of_death(self, noticed: BaseException) -> BaseException:
+        """What killed the server (once its thread has ended), else `noticed`."""
+        self._thread.join(10)
+        return self._failure or noticed
 
     def _main(self) -> None:
         try:
@@ -55,7 +70,8 @@ class ServerThread:
             server = Server(self.config, db, Authenticator(db, SessionSigner(Ed25519PrivateKey.generate()),
                                                           self.config.session_ttl_seconds))
             await nursery.start(server.run)
-            self.base = await self.setup(db, f"ws://127.0.0.1:{server.port}")
+            self.db, self.url, self.nursery = db, f"ws://127.0.0.1:{server.port}", nursery
+            self.base = await self.setup(db, self.url)
             self._token, self._stop = trio.lowlevel.current_trio_token(), trio.Event()
             self._ready.set()
             await self._stop.wait()

@@ -14,7 +14,7 @@ import trio
 
 from storage.cluster import ClusterSettings, PostgresCluster
 
-from storage.bridge import Database, PoolSettings, _translate
+from storage.bridge import Database, Notification, PoolSettings, ResyncOnOverflow, _translate
 from storage.errors import DatabaseUnavailable
 
 
@@ -237,3 +237,20 @@ async def test_postmaster_killed_under_load_fails_every_unit_typed_and_the_pool_
     finally:
         cluster.stop()
         shutil.rmtree(data_dir, ignore_errors=True)
+
+
+async def test_a_handover_that_overflows_drops_and_marks_the_next_item_resync():
+    """LISTEN and the NATS bus never let the asyncio loop wait for trio: what does not fit is
+    dropped, and the next item that fits tells the consumer to catch up."""
+    send, receive = trio.open_memory_channel(1)
+    handover = ResyncOnOverflow(send)
+    assert handover.offer(Notification("c", "1"))
+    assert handover.offer(Notification("c", "2"))  # full: dropped
+    assert handover.offer(Notification("c", "3"))  # still full: dropped
+    assert receive.receive_nowait() == Notification("c", "1")
+    assert handover.offer(Notification("c", "4"))
+    assert receive.receive_nowait() == Notification("c", "4", resync=True)
+    assert handover.offer(Notification("c", "5"))
+    assert receive.receive_nowait() == Notification("c", "5")
+    await receive.aclose()
+    assert not handover.offer(Notification("c", "6"))

@@ -1,24 +1,34 @@
 """Several nodes (servers with their own pools) in one process on one database:
-scope ownership, forwarding, fencing and cross-node fanout.  Crashes and freezes
-of real processes are in tests/test_cluster_processes.py."""
+scope ownership, forwarding, fencing, cross-node fanout, and a hostile frame on
+the forward link.  Crashes and freezes of real processes are in
+tests/test_cluster_processes.py."""
 
 from __future__ import annotations
 
 import base64
+import secrets
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 import msgspec
 import pytest
 import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from actors.scope_actor import Send
+from client.trio_client import Connection
+from domain.plan import ActorContext, MessageIntent
 from protocol import guide
 from server.app import Server
 from server.auth import Authenticator
+from server.cluster import NONCE_BYTES, _dumps, _Framed, _loads, _proof, _read_exact, _session_key
 from server.config import ServerConfig
 from server.credentials import SessionSigner
 from storage.bridge import Database
-from tests.conftest import App, add_person
+from tests.conftest import App, Person, Tenant, add_person
 from tests.test_bus import nats_server  # noqa: F401  (a fixture)
+from tests.test_cluster_link import pickle_calling
 from tests.test_messaging import open_channel
 from tests.test_private_visibility import as_agent
 from tests.test_realtime import events_for
@@ -61,43 +71,74 @@ async def nodes(database_dsn, nursery, tenants) -> list[App]:
     return await Nodes(nursery, database_dsn).start(3)
 
 
+@pytest.fixture
+def alpha(tenants) -> Tenant:
+    return tenants[0]
+
+
+@dataclass
+class Following:
+    """The workspace owner, signed in on one node, and bob, signed in on another and
+    following the channel the owner opened with him."""
+    owner: Connection
+    listener: Connection
+    bob: Person
+    channel_id: str
+    ws: dict
+
+    async def send(self, content: str, sender: Connection | None = None) -> dict:
+        return await (sender or self.owner).call("message.send", scope_id=self.channel_id, content=content, **self.ws)
+
+
+@asynccontextmanager
+async def bob_following(owner_node: App, listener_node: App, alpha: Tenant, slug: str,
+                        password_hash: str) -> AsyncIterator[Following]:
+    ws = {"workspace_id": alpha.workspace_id}
+    bob = await add_person(owner_node.db, alpha.workspace_id, "bob@example.com", "developer", password_hash)
+    async with await signed_in(owner_node, alpha.owner) as owner, await signed_in(listener_node, bob) as listener:
+        channel = await open_channel(owner, alpha.workspace_id, slug, [bob.member_id])
+        await listener.call("subscribe", scopes=[{"scope_id": channel["id"]}], **ws)
+        yield Following(owner, listener, bob, channel["id"], ws)
+
+
+async def scout_in_channel(owner: Connection, ws: dict, slug: str, members: tuple[str, ...] = ()) -> tuple[dict, str]:
+    """A new channel with `members` and the agent scout, whom the owner makes; and scout's API key."""
+    agent = await owner.call("agent.create", handle="scout", display_name="Scout", **ws)
+    channel = await open_channel(owner, ws["workspace_id"], slug, [*members, agent["id"]])
+    return channel, (await owner.call("apikey.create", name="scout", member_id=agent["id"], **ws))["key"]
+
+
 async def _lease(app: App, scope_id: str):
     return await app.db.run(lambda conn: conn.fetchrow("SELECT node_id, epoch FROM scope_leases WHERE scope_id = $1",
                                                        scope_id))
 
 
-async def test_a_send_through_any_node_reaches_subscribers_on_every_node(nodes, tenants, member_password_hash):
-    alpha, _ = tenants
-    ws = {"workspace_id": alpha.workspace_id}
+async def test_a_send_through_any_node_reaches_subscribers_on_every_node(nodes, alpha, member_password_hash):
     first, second, third = nodes
-    bob = await add_person(first.db, alpha.workspace_id, "bob@example.com", "developer", member_password_hash)
-    async with await signed_in(first, alpha.owner) as owner, await signed_in(second, bob) as listener, \
-            await signed_in(third, alpha.owner) as other_sender, await signed_in(third, bob) as feed:
-        channel = await open_channel(owner, alpha.workspace_id, "live", [bob.member_id])
-        await listener.call("subscribe", scopes=[{"scope_id": channel["id"]}], **ws)
-        await feed.call("subscribe", workspace_feed=True, **ws)
+    async with bob_following(first, second, alpha, "live", member_password_hash) as live, \
+            await signed_in(third, alpha.owner) as other_sender, await signed_in(third, live.bob) as feed:
+        await feed.call("subscribe", workspace_feed=True, **live.ws)
         for i in range(5):
-            await owner.call("message.send", scope_id=channel["id"], content=f"a{i}", **ws)
-            await other_sender.call("message.send", scope_id=channel["id"], content=f"c{i}", **ws)
-        received = await events_for(listener, 10)
+            await live.send(f"a{i}")
+            await live.send(f"c{i}", sender=other_sender)
+        received = await events_for(live.listener, 10)
         assert [e["seq"] for e in received] == list(range(1, 11))
         assert [e["data"]["content"] for e in received] == [f"{s}{i}" for i in range(5) for s in "ac"]
         assert [e["seq"] for e in await events_for(feed, 10)] == list(range(1, 11))
-        await other_sender.call("reaction.add", message_id=received[0]["data"]["id"], key="👍", **ws)
-        reactions = await events_for(listener, 1, "reaction.added")
+        await other_sender.call("reaction.add", message_id=received[0]["data"]["id"], key="👍", **live.ws)
+        reactions = await events_for(live.listener, 1, "reaction.added")
         assert reactions[0]["data"]["message_id"] == received[0]["data"]["id"]
         # Big enough to travel through the bus's spill table.
-        await owner.call("message.edit", message_id=received[0]["data"]["id"], content="x" * 20_000,
-                         expected_revision=1, **ws)
-        edited = await events_for(listener, 1, "message.edited")
+        await live.owner.call("message.edit", message_id=received[0]["data"]["id"], content="x" * 20_000,
+                              expected_revision=1, **live.ws)
+        edited = await events_for(live.listener, 1, "message.edited")
         assert edited[0]["data"]["content"] == "x" * 20_000
-    assert (await _lease(first, channel["id"]))["node_id"] == "node-0"
+    assert (await _lease(first, live.channel_id))["node_id"] == "node-0"
     assert third.server.cluster.forwarded_out >= 5 and first.server.cluster.forwarded_in >= 5
     assert second.server.cluster.bus_received > 0 and second.server.cluster.bus_resyncs == 0
 
 
-async def test_forwarded_commands_answer_as_the_owner_would(nodes, tenants, member_password_hash):
-    alpha, _ = tenants
+async def test_forwarded_commands_answer_as_the_owner_would(nodes, alpha, member_password_hash):
     ws = {"workspace_id": alpha.workspace_id}
     first, second, _ = nodes
     carol = await add_person(first.db, alpha.workspace_id, "carol@example.com", "developer", member_password_hash)
@@ -117,15 +158,12 @@ async def test_forwarded_commands_answer_as_the_owner_would(nodes, tenants, memb
     assert second.server.cluster.forwarded_out >= 4
 
 
-async def test_a_private_agent_on_another_node_gets_only_what_it_may_read(nodes, tenants, member_password_hash):
-    alpha, _ = tenants
+async def test_a_private_agent_on_another_node_gets_only_what_it_may_read(nodes, alpha, member_password_hash):
     ws = {"workspace_id": alpha.workspace_id}
     first, second, third = nodes
     bob = await add_person(first.db, alpha.workspace_id, "bob@example.com", "developer", member_password_hash)
     async with await signed_in(first, alpha.owner) as owner, await signed_in(third, bob) as b:
-        agent = await owner.call("agent.create", handle="scout", display_name="Scout", **ws)
-        channel = await open_channel(owner, alpha.workspace_id, "project", [bob.member_id, agent["id"]])
-        key = (await owner.call("apikey.create", name="scout", member_id=agent["id"], **ws))["key"]
+        channel, key = await scout_in_channel(owner, ws, "project", (bob.member_id,))
         async with as_agent(second, key) as scout:
             await scout.call("subscribe", scopes=[{"scope_id": channel["id"]}], **ws)
             from_bob = await b.call("message.send", scope_id=channel["id"], content="from bob", **ws)
@@ -139,29 +177,23 @@ async def test_a_private_agent_on_another_node_gets_only_what_it_may_read(nodes,
     assert [(e["event"], e["data"].get("content")) for e in received] == [("message.created", "from the owner")]
 
 
-async def test_a_lost_bus_message_loses_no_message(nodes, tenants, member_password_hash):
-    alpha, _ = tenants
-    ws = {"workspace_id": alpha.workspace_id}
+async def test_a_lost_bus_message_loses_no_message(nodes, alpha, member_password_hash):
     first, second, _ = nodes
-    bob = await add_person(first.db, alpha.workspace_id, "bob@example.com", "developer", member_password_hash)
-    async with await signed_in(first, alpha.owner) as owner, await signed_in(second, bob) as listener:
-        channel = await open_channel(owner, alpha.workspace_id, "lossy", [bob.member_id])
-        await listener.call("subscribe", scopes=[{"scope_id": channel["id"]}], **ws)
-        await owner.call("message.send", scope_id=channel["id"], content="one", **ws)
-        assert [e["seq"] for e in await events_for(listener, 1)] == [1]
+    async with bob_following(first, second, alpha, "lossy", member_password_hash) as lossy:
+        await lossy.send("one")
+        assert [e["seq"] for e in await events_for(lossy.listener, 1)] == [1]
         # A publication that never reaches the bus (its number is skipped, as when a send fails).
         relay, first.server.hub.relay = first.server.hub.relay, None
-        await owner.call("message.send", scope_id=channel["id"], content="two", **ws)
+        await lossy.send("two")
         first.server.hub.relay = relay
         first.server.cluster._bus_seq += 1
-        await owner.call("message.send", scope_id=channel["id"], content="three", **ws)
-        received = await events_for(listener, 2)
+        await lossy.send("three")
+        received = await events_for(lossy.listener, 2)
     assert [(e["seq"], e["data"]["content"]) for e in received] == [(2, "two"), (3, "three")]
     assert second.server.cluster.bus_resyncs == 1
 
 
-async def test_a_stale_owner_commits_nothing_and_its_commands_run_at_the_new_owner(nodes, tenants):
-    alpha, _ = tenants
+async def test_a_stale_owner_commits_nothing_and_its_commands_run_at_the_new_owner(nodes, alpha):
     ws = {"workspace_id": alpha.workspace_id}
     first, second, _ = nodes
     async with await signed_in(first, alpha.owner) as on_first, await signed_in(second, alpha.owner) as on_second:
@@ -184,8 +216,7 @@ async def test_a_stale_owner_commits_nothing_and_its_commands_run_at_the_new_own
     assert await _lease(first, channel["id"]) == ("node-1", 2)
 
 
-async def test_a_clean_shutdown_hands_the_scopes_over_at_once(database_dsn, nursery, tenants):
-    alpha, _ = tenants
+async def test_a_clean_shutdown_hands_the_scopes_over_at_once(database_dsn, nursery, alpha):
     ws = {"workspace_id": alpha.workspace_id}
     cluster = Nodes(nursery, database_dsn)
     first, second = await cluster.start(2)
@@ -201,23 +232,19 @@ async def test_a_clean_shutdown_hands_the_scopes_over_at_once(database_dsn, nurs
     assert await _lease(second, channel["id"]) == ("node-1", 2)
 
 
-async def test_a_client_resumes_against_another_node(nodes, tenants, member_password_hash):
-    alpha, _ = tenants
-    ws = {"workspace_id": alpha.workspace_id}
+async def test_a_client_resumes_against_another_node(nodes, alpha, member_password_hash):
     first, second, third = nodes
-    bob = await add_person(first.db, alpha.workspace_id, "bob@example.com", "developer", member_password_hash)
+    async with bob_following(first, second, alpha, "resume", member_password_hash) as resume:
+        for i in range(3):
+            await resume.send(f"m{i}")
+        cursor = (await events_for(resume.listener, 3))[-1]["seq"]
     async with await signed_in(first, alpha.owner) as owner:
-        channel = await open_channel(owner, alpha.workspace_id, "resume", [bob.member_id])
-        async with await signed_in(second, bob) as listener:
-            await listener.call("subscribe", scopes=[{"scope_id": channel["id"]}], **ws)
-            for i in range(3):
-                await owner.call("message.send", scope_id=channel["id"], content=f"m{i}", **ws)
-            cursor = (await events_for(listener, 3))[-1]["seq"]
         for i in range(3, 6):  # while bob is away
-            await owner.call("message.send", scope_id=channel["id"], content=f"m{i}", **ws)
-        async with await signed_in(third, bob) as listener:
-            await listener.call("subscribe", scopes=[{"scope_id": channel["id"], "after_seq": cursor}], **ws)
-            await owner.call("message.send", scope_id=channel["id"], content="m6", **ws)
+            await resume.send(f"m{i}", sender=owner)
+        async with await signed_in(third, resume.bob) as listener:
+            await listener.call("subscribe", scopes=[{"scope_id": resume.channel_id, "after_seq": cursor}],
+                                **resume.ws)
+            await resume.send("m6", sender=owner)
             received = await events_for(listener, 4)
     assert [(e["seq"], e["data"]["content"]) for e in received] == [(i + 1, f"m{i}") for i in range(3, 7)]
 
@@ -226,30 +253,22 @@ def test_the_contract_states_the_default_node_lease():
     assert "default 10 s" in guide.NODES and ServerConfig().node_lease_seconds == 10
 
 
-async def test_nodes_on_the_nats_bus_fan_out_like_on_postgres(database_dsn, nursery, tenants, nats_server,
+async def test_nodes_on_the_nats_bus_fan_out_like_on_postgres(database_dsn, nursery, alpha, nats_server,
                                                              member_password_hash):
-    alpha, _ = tenants
-    ws = {"workspace_id": alpha.workspace_id}
     first, second = await Nodes(nursery, database_dsn).start(2, bus="nats", nats_url=nats_server.url)
-    bob = await add_person(first.db, alpha.workspace_id, "bob@example.com", "developer", member_password_hash)
-    async with await signed_in(first, alpha.owner) as owner, await signed_in(second, bob) as listener:
-        channel = await open_channel(owner, alpha.workspace_id, "nats", [bob.member_id])
-        await listener.call("subscribe", scopes=[{"scope_id": channel["id"]}], **ws)
+    async with bob_following(first, second, alpha, "nats", member_password_hash) as nats:
         for i in range(3):
-            await owner.call("message.send", scope_id=channel["id"], content=f"n{i}", **ws)
-        received = await events_for(listener, 3)
+            await nats.send(f"n{i}")
+        received = await events_for(nats.listener, 3)
     assert [(e["seq"], e["data"]["content"]) for e in received] == [(1, "n0"), (2, "n1"), (3, "n2")]
     assert second.server.cluster.transport.name == "nats" and second.server.cluster.bus_received >= 3
 
 
-async def test_a_routed_delivery_reaches_the_agent_daemon_on_another_node_at_once(nodes, tenants):
-    alpha, _ = tenants
+async def test_a_routed_delivery_reaches_the_agent_daemon_on_another_node_at_once(nodes, alpha):
     ws = {"workspace_id": alpha.workspace_id}
     first, second, _ = nodes
     async with await signed_in(first, alpha.owner) as owner:
-        agent = await owner.call("agent.create", handle="scout", display_name="Scout", **ws)
-        channel = await open_channel(owner, alpha.workspace_id, "work", [agent["id"]])
-        key = (await owner.call("apikey.create", name="scout", member_id=agent["id"], **ws))["key"]
+        channel, key = await scout_in_channel(owner, ws, "work")
         async with as_agent(second, key) as scout:
             await scout.call("delivery.subscribe", **ws)
             sent = await owner.call("message.send", scope_id=channel["id"], content="@scout look", **ws)
@@ -260,36 +279,61 @@ async def test_a_routed_delivery_reaches_the_agent_daemon_on_another_node_at_onc
     assert (event["data"]["message_id"], event["data"]["reason"]) == (sent["id"], "mention")
 
 
-async def test_foreign_bus_messages_are_ignored(nodes, tenants, member_password_hash):
-    alpha, _ = tenants
-    ws = {"workspace_id": alpha.workspace_id}
+async def test_foreign_bus_messages_are_ignored(nodes, alpha, member_password_hash):
     first, second, _ = nodes
-    bob = await add_person(first.db, alpha.workspace_id, "bob@example.com", "developer", member_password_hash)
-    async with await signed_in(first, alpha.owner) as owner, await signed_in(second, bob) as listener:
-        channel = await open_channel(owner, alpha.workspace_id, "after", [bob.member_id])
-        await listener.call("subscribe", scopes=[{"scope_id": channel["id"]}], **ws)
+    async with bob_following(first, second, alpha, "after", member_password_hash) as after:
         # Anyone who may NOTIFY on the database can put bytes on the bus: an unsealed event for
         # everyone following the channel is dropped, and a sealed one that does not decode costs
         # a resync, never the node.
         frame = msgspec.msgpack.encode({"type": "event", "event": "message.created", "workspace_id": alpha.workspace_id,
-                                        "scope_id": channel["id"], "data": {"content": "forged"}})
-        forged = base64.b64encode(msgspec.msgpack.encode(
-            [[1, "message.edited", alpha.workspace_id, channel["id"], None, None, frame, None, False, None]])).decode()
+                                        "scope_id": after.channel_id, "data": {"content": "forged"}})
+        bus_item = [1, "message.edited", alpha.workspace_id, after.channel_id, None, None, frame, None, False, None]
+        forged = base64.b64encode(msgspec.msgpack.encode([bus_item])).decode()
         sealed_garbage = base64.b64encode(second.server.cluster._seal(b"\xc1not msgpack")).decode()
         await first.db.run(lambda conn: conn.execute(
             "SELECT pg_notify('scopewire_bus', 'intruder.1:1:' || $1), "
             "pg_notify('scopewire_bus', 'intruder.1:2:' || $2)", forged, sealed_garbage))
-        await owner.call("message.send", scope_id=channel["id"], content="real", **ws)
+        await after.send("real")
         with trio.fail_after(20):
-            first_event = await listener.next_event()
+            first_event = await after.listener.next_event()
     assert (first_event["event"], first_event["data"]["content"]) == ("message.created", "real")
 
 
-async def test_a_lone_node_publishes_nothing_on_the_bus(database_dsn, nursery, tenants):
-    alpha, _ = tenants
+async def test_a_lone_node_publishes_nothing_on_the_bus(database_dsn, nursery, alpha):
     ws = {"workspace_id": alpha.workspace_id}
     (alone,) = await Nodes(nursery, database_dsn).start(1)
     async with await signed_in(alone, alpha.owner) as owner:
         channel = await open_channel(owner, alpha.workspace_id, "alone")
         await owner.call("message.send", scope_id=channel["id"], content="nobody else", **ws)
     assert not alone.server.cluster.peers_live and alone.server.cluster.bus_sent == 0
+
+
+async def _open_link(node: App) -> _Framed:
+    """A link to `node` opened as another node holding the key opens one (_PeerLink._connect)."""
+    key = node.server.cluster.key
+    host, _, port = node.server.cluster.forward_address.rpartition(":")
+    stream = await trio.open_tcp_stream(host.strip("[]"), int(port))
+    server_nonce = await _read_exact(stream, NONCE_BYTES)
+    client_nonce = secrets.token_bytes(NONCE_BYTES)
+    await stream.send_all(client_nonce + _proof(key, server_nonce, client_nonce))
+    assert await _read_exact(stream, 1) == b"\x01"
+    return _Framed(stream, _session_key(key, server_nonce, client_nonce), outgoing=0)
+
+
+async def test_a_frame_that_would_run_code_drops_its_link_and_runs_nothing(database_dsn, nursery, alpha, tmp_path):
+    (node,) = await Nodes(nursery, database_dsn).start(1)
+    async with await signed_in(node, alpha.owner) as owner:
+        channel = await open_channel(owner, alpha.workspace_id, "linked")
+    generation = await node.db.run(lambda conn: conn.fetchval(
+        "SELECT active_generation FROM workspace_execution_states WHERE workspace_id = $1", alpha.workspace_id))
+    send = Send(ActorContext(alpha.workspace_id, alpha.owner.member_id, "human", None, generation),
+                MessageIntent(channel["id"], "over the link"))
+    link = await _open_link(node)
+    await link.send(_dumps((1, channel["id"], send)))
+    request_id, ok, sent = _loads(await link.receive())
+    assert (request_id, ok, sent.seq, sent.content) == (1, True, 1, "over the link")  # a command runs
+    marker = tmp_path / "ran"
+    await link.send(pickle_calling("os", "system", f"touch '{marker}'"))
+    with pytest.raises(trio.BrokenResourceError), trio.fail_after(10):
+        await link.receive()  # the node hung up
+    assert not marker.exists()

@@ -22,7 +22,6 @@ import itertools
 
 import pytest
 import trio
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule, run_state_machine_as_test
 
@@ -33,14 +32,11 @@ from domain.plan import ActorContext
 from domain.platform import BroadcastSnapshot, client_message_id
 from domain.service_accounts import POST_MESSAGE_TYPE
 from server import tenancy as tenancy_ops
-from server.app import Server
-from server.auth import Authenticator
 from server.config import ServerConfig
-from server.credentials import SessionSigner
 from server.ops.platform import create_operator
 from storage import tenancy
 from storage import platform as store
-from storage.bridge import Database, PoolSettings
+from storage.bridge import Database
 from storage.errors import DatabaseUnavailable
 from storage.ids import new_id
 from tests.conftest import MEMBER_PASSWORD, App, Person, Tenant, add_person
@@ -55,7 +51,7 @@ from tests.platform_helpers import (
     wait_broadcast_done,
     wait_ready,
 )
-from tests.test_service_account_audience import AudienceServer
+from tests.server_thread import ServerThread
 from tests.service_account_helpers import Feed
 from tests.test_tenancy import expect_error, signed_in
 
@@ -604,27 +600,22 @@ async def test_a_stuck_delivery_is_retried_or_skipped_by_an_operator(app: App, t
 TERMINAL = ("completed", "completed_with_exceptions", "closed")
 
 
-class PlatformServer(AudienceServer):
+class PlatformServer(ServerThread):
     """The server in a trio loop of its own thread, on a multi-workspace instance (its first
     workspace `base_id`), with an operator."""
 
     waited = 0  # broadcasts accepted while provisioning was held behind their G
 
-    async def _serve(self) -> None:
-        config = ServerConfig(port=0, auth_timeout_seconds=5.0, shutdown_grace_seconds=1.0)
-        async with Database(self.dsn, PoolSettings(min_size=1, max_size=10)) as db, trio.open_nursery() as nursery:
-            server = Server(config, db, Authenticator(db, SessionSigner(Ed25519PrivateKey.generate()),
-                                                     config.session_ttl_seconds))
-            await nursery.start(server.run)
-            base = await tenancy_ops.init_instance(db, email="o0@example.com", display_name="O0", workspace_name="Base",
-                                                   workspace_slug="base", edition="multi", password=MEMBER_PASSWORD)
-            self.base_id = base.workspace_id
-            self.operator_id, _, self.operator_key = await create_operator(db, "ops")
-            self.db, self.url, self.nursery = db, f"ws://127.0.0.1:{server.port}", nursery
-            self._token, self._stop = trio.lowlevel.current_trio_token(), trio.Event()
-            self._ready.set()
-            await self._stop.wait()
-            nursery.cancel_scope.cancel()
+    def __init__(self, dsn: str, password_hash: str) -> None:
+        super().__init__(dsn, ServerConfig(port=0, auth_timeout_seconds=5.0, shutdown_grace_seconds=1.0),
+                         self._instance_with_operator)
+        self.password_hash = password_hash
+
+    async def _instance_with_operator(self, db: Database, url: str) -> None:
+        base = await tenancy_ops.init_instance(db, email="o0@example.com", display_name="O0", workspace_name="Base",
+                                               workspace_slug="base", edition="multi", password=MEMBER_PASSWORD)
+        self.base_id = base.workspace_id
+        self.operator_id, _, self.operator_key = await create_operator(db, "ops")
 
 
 async def settled_broadcast(ops: PlatformFeed, broadcast_id: str) -> dict:

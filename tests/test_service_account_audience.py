@@ -29,8 +29,9 @@ from server.auth import Authenticator
 from server.config import ServerConfig
 from server.credentials import SessionSigner
 from storage import tenancy
-from storage.bridge import Database, PoolSettings
+from storage.bridge import Database
 from tests.conftest import MEMBER_PASSWORD, App
+from tests.server_thread import ServerThread
 from tests.test_messaging import team  # noqa: F401  (a fixture)
 from tests.test_tenancy import expect_error, signed_in
 
@@ -425,58 +426,10 @@ async def test_audience_get_bad_input(app: App, team):  # noqa: F811
 # Driven over the WebSocket (invite + accept, member.remove, re-invite, agent.create) against
 # one server for every example, reconciling in batches of two so a pass spans several batches.
 
-class AudienceServer:
-    """The server and its pool in a trio loop of their own thread (hypothesis drives the
-    examples from the test's thread), on a multi-workspace instance."""
-
-    def __init__(self, dsn: str, password_hash: str) -> None:
-        self.dsn, self.password_hash = dsn, password_hash
-        self._ready = threading.Event()
-        self._failure: BaseException | None = None
-        self._thread = threading.Thread(target=self._main, daemon=True)
-
-    def __enter__(self) -> AudienceServer:
-        self._thread.start()
-        started = self._ready.wait(120)
-        if self._failure is not None:
-            raise self._failure
-        assert started, "the server did not start"
-        return self
-
-    def __exit__(self, *exc) -> None:
-        trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
-        self._thread.join(30)
-
-    def run(self, fn, *args):
-        try:
-            return trio.from_thread.run(fn, *args, trio_token=self._token)
-        except BaseException:
-            self._thread.join(10)  # a step that failed because the server died reports why it died
-            if self._failure is not None:
-                raise self._failure from None
-            raise
-
-    def _main(self) -> None:
-        try:
-            trio.run(self._serve)
-        except BaseException as exc:  # reported to the test's thread
-            self._failure = exc
-            self._ready.set()
-
-    async def _serve(self) -> None:
-        config = ServerConfig(port=0, auth_timeout_seconds=5.0, shutdown_grace_seconds=1.0,
-                              service_account_audience_batch=2)
-        async with Database(self.dsn, PoolSettings(min_size=1, max_size=10)) as db, trio.open_nursery() as nursery:
-            server = Server(config, db, Authenticator(db, SessionSigner(Ed25519PrivateKey.generate()),
-                                                     config.session_ttl_seconds))
-            await nursery.start(server.run)
-            await ops.init_instance(db, email="o0@example.com", display_name="O0", workspace_name="Life",
-                                    workspace_slug="life", edition="multi", password=MEMBER_PASSWORD)
-            self.db, self.url = db, f"ws://127.0.0.1:{server.port}"
-            self._token, self._stop = trio.lowlevel.current_trio_token(), trio.Event()
-            self._ready.set()
-            await self._stop.wait()
-            nursery.cancel_scope.cancel()
+async def _multi_workspace_instance(db: Database, url: str) -> None:
+    """The server's instance: multi-workspace, as each example adds a workspace of its own."""
+    await ops.init_instance(db, email="o0@example.com", display_name="O0", workspace_name="Life",
+                            workspace_slug="life", edition="multi", password=MEMBER_PASSWORD)
 
 
 class AudienceLifecycle(RuleBasedStateMachine):
@@ -489,9 +442,10 @@ class AudienceLifecycle(RuleBasedStateMachine):
 
     numbers = itertools.count(1)
 
-    def __init__(self, server: AudienceServer) -> None:
+    def __init__(self, server: ServerThread, password_hash: str) -> None:
         super().__init__()
         self.server = server
+        self.password_hash = password_hash
         self.number = next(self.numbers)
         self.people: dict[str, str] = {}  # email -> member id, of every human this example added
         self.active: set[str] = set()
@@ -512,7 +466,7 @@ class AudienceLifecycle(RuleBasedStateMachine):
             return await tenancy.create_workspace(
                 conn, instance_id=await tenancy.instance_id(conn), name=f"Life {self.number}",
                 slug=f"life-{self.number}", type="team", owner_email=f"owner{self.number}@example.com",
-                owner_display_name="Owner", owner_password_hash=self.server.password_hash, single_edition=False)
+                owner_display_name="Owner", owner_password_hash=self.password_hash, single_edition=False)
 
         workspace = self.server.run(self.server.db.transaction, unit)
         self.workspace_id, self.ws = workspace.workspace_id, {"workspace_id": workspace.workspace_id}
@@ -542,7 +496,7 @@ class AudienceLifecycle(RuleBasedStateMachine):
     def add_humans_at_once(self, count: int) -> None:
         prefix = f"b{self.number}-{len(self.people)}-"
         member_ids = self.server.run(bulk_humans, self.server.db, self.workspace_id, count,
-                                     self.server.password_hash, prefix)
+                                     self.password_hash, prefix)
         self.people.update({f"{prefix}{i}@example.com": member_id for i, member_id in enumerate(member_ids)})
         self.active.update(member_ids)
 
@@ -605,8 +559,10 @@ class AudienceLifecycle(RuleBasedStateMachine):
 
 
 def test_open_memberships_follow_the_active_humans(database_dsn, member_password_hash):
-    with AudienceServer(database_dsn, member_password_hash) as server:
+    config = ServerConfig(port=0, auth_timeout_seconds=5.0, shutdown_grace_seconds=1.0,
+                          service_account_audience_batch=2)
+    with ServerThread(database_dsn, config, _multi_workspace_instance) as server:
         # No shrinking: examples share the workspace, so a replay would not see the same state.
-        run_state_machine_as_test(lambda: AudienceLifecycle(server), settings=settings(
+        run_state_machine_as_test(lambda: AudienceLifecycle(server, member_password_hash), settings=settings(
             max_examples=6, stateful_step_count=10, deadline=None, derandomize=True,
             phases=(Phase.explicit, Phase.generate), suppress_health_check=list(HealthCheck)))
