@@ -9,7 +9,11 @@ Commands arrive over a trio memory channel; between them the actor advances
 whatever work the rows show, then sleeps until a command, a wake (NOTIFY: a
 workspace was created, an instance became ready) or the next backoff or lease
 expiry.  Deliveries run concurrently (bounded) as PlatformDelivery commands in
-the local scopes' actors, which check the lease in the message transaction."""
+the local scopes' actors, which check the lease in the message transaction.
+
+With several nodes, one node's actor owns an account (storage/leases.py): every
+transaction above first passes the account's lease fence, and the other nodes
+forward their commands to the owner (PlatformRegistry.submit)."""
 
 from __future__ import annotations
 
@@ -23,11 +27,13 @@ import trio
 from asyncpg.exceptions import TransactionRollbackError
 
 from actors.platform_delivery import PlatformDelivery
+from actors.registry import FORWARD_RETRY_FIRST_SECONDS, FORWARD_RETRY_MAX_SECONDS
 from actors.scope_actor import ActorFailed, Refused, Reply
 from domain.platform import BroadcastSnapshot, Lease, client_message_id
 from domain.plan import ActorContext
+from storage import leases
 from storage import platform as store
-from storage.errors import DatabaseUnavailable, NotFound, StorageError
+from storage.errors import DatabaseUnavailable, LeaseLost, NotFound, StorageError
 from storage.ids import new_id
 
 log = logging.getLogger("scopewire.platform")
@@ -37,6 +43,7 @@ PROVISION_BATCH = 50  # workspaces opened per provisioning transaction
 ENUMERATION_PAGE = 500  # deliveries written per enumeration transaction
 PROFILE_BATCH = 200
 IDLE_RECHECK_SECONDS = 30.0  # a periodic look at the rows, whatever woke or did not wake us
+SUBMIT_TIMEOUT_SECONDS = 30.0  # a command's wait for its owner, however the lease moves meanwhile
 
 
 @dataclass(frozen=True)
@@ -57,11 +64,23 @@ class PlatformServices:
     node_id: str
     settings: PlatformSettings
     emit: Callable[..., Awaitable[None]]
+    # actors.registry.Ownership (its acquire/forward for platform accounts); None: no leases.
+    ownership: Any = None
 
 
 @dataclass
 class PlatformCommand:
     reply: Reply = field(default_factory=Reply, init=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Forwarded to the owning node (server/cluster.py) without the caller's reply slot.
+        state = dict(self.__dict__)
+        del state["reply"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.reply = Reply()
 
 
 @dataclass
@@ -107,8 +126,12 @@ class SettleSkip(PlatformCommand):
 
 
 class PlatformAccountActor:
-    def __init__(self, account_id: str, services: PlatformServices) -> None:
+    def __init__(self, account_id: str, services: PlatformServices,
+                 lease: tuple[str, int] | None = None) -> None:
         self.account_id = account_id
+        self.lease = lease  # (node, epoch) every write transaction is fenced by; None: no leases
+        self.lease_lost = False
+        self.stopped = False
         self.services = services
         self.db = services.db
         self.settings = services.settings
@@ -136,8 +159,29 @@ class PlatformAccountActor:
         try:
             await self.mailbox.send(command)
         except (trio.ClosedResourceError, trio.BrokenResourceError):
-            raise DatabaseUnavailable("the platform account's actor stopped; retry") from None
+            raise self._stopped_error() from None
         return await command.reply.wait()
+
+    def _stopped_error(self) -> StorageError:
+        if self.lease_lost:  # the registry runs the command at the new owner
+            return LeaseLost(f"this node no longer owns platform account {self.account_id}")
+        return DatabaseUnavailable("the platform account's actor stopped; retry")
+
+    async def _write(self, fn: Callable[..., Awaitable[Any]], *args: Any, **kwargs: Any) -> Any:
+        """`fn` in one transaction, behind the account's lease fence when leases are on."""
+        if self.lease is None:
+            return await self.db.transaction(fn, *args, **kwargs)
+        node_id, epoch = self.lease
+
+        async def fenced(conn) -> Any:
+            await leases.pass_fence(conn, self.account_id, node_id, epoch, kind=leases.PLATFORM_ACCOUNTS)
+            return await fn(conn, *args, **kwargs)
+        try:
+            return await self.db.transaction(fenced)
+        except LeaseLost:
+            self.lease_lost = True
+            self._wake.set()  # the advance loop ends now, not at its next timer
+            raise
 
     async def run(self) -> None:
         """Commands and the rows' work run side by side (a command never waits for a pass of
@@ -146,20 +190,23 @@ class PlatformAccountActor:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._serve_commands, nursery.cancel_scope)
                 await self._advance_loop()
-                nursery.cancel_scope.cancel()
+                # The account is gone (or another node took it): no new command; the one being
+                # handled still answers (its transaction may have committed), the queued ones meet
+                # the missing row (or the fence, and the registry runs them at the new owner).
+                self.mailbox.close()
         finally:
+            self.stopped = True
             self.mailbox.close()
-            gone = DatabaseUnavailable("the platform account's actor stopped; retry")
             while True:
                 try:
-                    self._inbox.receive_nowait().reply.fail(gone)
+                    self._inbox.receive_nowait().reply.fail(self._stopped_error())
                 except (trio.WouldBlock, trio.EndOfChannel):
                     break
 
     async def _advance_loop(self) -> None:
         failures = 0
         async with trio.open_nursery() as deliveries:
-            while not self.deleted:
+            while not self.deleted and not self.lease_lost:
                 self._wake = trio.Event()
                 full, self._full_pass_due = self._full_pass_due, False
                 try:
@@ -167,6 +214,10 @@ class PlatformAccountActor:
                     failures = 0
                 except NotFound:
                     break  # deleted (here or by another process): nothing is left to advance
+                except LeaseLost:
+                    log.info("platform account taken over by another node",
+                             extra={"platform_service_account_id": self.account_id})
+                    break
                 except (StorageError, asyncpg.PostgresError) as exc:
                     failures += 1
                     log.warning("platform account step failed; retrying", extra={
@@ -207,7 +258,9 @@ class PlatformAccountActor:
             except Exception as exc:  # a bug: the caller answers `internal`, the actor lives on
                 log.exception("platform command failed", extra={"platform_service_account_id": self.account_id})
                 command.reply.fail(ActorFailed(str(exc)))
-            if self.deleted:
+            finally:  # cancelled mid-command (shutdown): the caller is answered, never left waiting
+                command.reply.fail(self._stopped_error())
+            if self.deleted or self.lease_lost:
                 cancel_scope.cancel()
                 return
             self.wake()
@@ -215,29 +268,29 @@ class PlatformAccountActor:
     # --- commands ------------------------------------------------------------------------------------
 
     async def _accept(self, command: AcceptBroadcast) -> store.Accepted:
-        return await self.db.transaction(
+        return await self._write(
             store.accept_broadcast, account_id=self.account_id, operator_id=command.operator_id,
             client_broadcast_id=command.client_broadcast_id, title=command.title, content=command.content,
             message_type=command.message_type, correlation_id=command.correlation_id)
 
     async def _update(self, command: UpdateProfile) -> Any:
-        return await self.db.transaction(store.update_profile, self.account_id, command.expected_version,
+        return await self._write(store.update_profile, self.account_id, command.expected_version,
                                          command.name, command.description, command.operator_id,
                                          command.correlation_id)
 
     async def _delete(self, command: DeleteAccount) -> Any:
-        root, locals_ = await self.db.transaction(store.delete_account, self.account_id, command.expected_version,
+        root, locals_ = await self._write(store.delete_account, self.account_id, command.expected_version,
                                                   command.operator_id, command.correlation_id)
         self.deleted = True
         return root, locals_
 
     async def _retry(self, command: RetryDelivery) -> Any:
-        return await self.db.transaction(store.retry_delivery, command.delivery_id, command.expected_version,
+        return await self._write(store.retry_delivery, command.delivery_id, command.expected_version,
                                          command.operator_id, command.correlation_id)
 
     async def _settle_skip(self, command: SettleSkip) -> Any:
         row = await self.db.run(store.delivery, command.delivery_id)
-        return await self.db.transaction(store.settle_skip, command.delivery_id, command.expected_version,
+        return await self._write(store.settle_skip, command.delivery_id, command.expected_version,
                                          command.operator_id, command.correlation_id,
                                          client_message_id(row["broadcast_id"]))
 
@@ -250,12 +303,12 @@ class PlatformAccountActor:
         if full:
             progressed |= await self._provision(correlation)
             progressed |= await self._profile()
-            progressed |= bool(await self.db.transaction(store.allocate_step, self.account_id, correlation))
-            progressed |= await self.db.transaction(store.enumerate_step, self.account_id, ENUMERATION_PAGE)
+            progressed |= bool(await self._write(store.allocate_step, self.account_id, correlation))
+            progressed |= await self._write(store.enumerate_step, self.account_id, ENUMERATION_PAGE)
         settled, self._settled_since_check = self._settled_since_check, False
         progressed |= await self._dispatch(full, deliveries)
         if full or (settled and self._in_flight == 0):
-            finished = await self.db.transaction(store.finish_broadcasts, self.account_id, correlation)
+            finished = await self._write(store.finish_broadcasts, self.account_id, correlation)
             for broadcast_id in finished:
                 self._snapshots.pop(broadcast_id, None)
                 await self._emit("platform_service_account.broadcast_completed", broadcast_id=broadcast_id)
@@ -265,7 +318,7 @@ class PlatformAccountActor:
         return progressed
 
     async def _provision(self, correlation: str) -> bool:
-        step = await self.db.transaction(store.provision_step, self.account_id, PROVISION_BATCH, correlation)
+        step = await self._write(store.provision_step, self.account_id, PROVISION_BATCH, correlation)
         for instance in step.opened:
             await self._emit("platform_service_account.instance_changed", account_id=self.account_id,
                              workspace_id=instance["workspace_id"], provisioning_state="identity_ready",
@@ -275,7 +328,7 @@ class PlatformAccountActor:
         return bool(step.opened) or step.became_ready or step.more
 
     async def _profile(self) -> bool:
-        changed = await self.db.transaction(store.propagate_profile_step, self.account_id, PROFILE_BATCH)
+        changed = await self._write(store.propagate_profile_step, self.account_id, PROFILE_BATCH)
         for local in changed:
             await self._emit("service_account.updated", workspace_id=local["workspace_id"], local=local)
         return bool(changed)
@@ -287,17 +340,17 @@ class PlatformAccountActor:
         # Excluded rows come only from enumeration: an instance excluded from a seq opened after its G,
         # so it is excluded from every earlier seq too and its excluded rows precede its eligible ones.
         if enumerated:
-            excluded = await self.db.transaction(store.settle_excluded_heads, self.account_id, new_id("req"))
+            excluded = await self._write(store.settle_excluded_heads, self.account_id, new_id("req"))
         capacity = 2 * self.settings.delivery_concurrency
         room = capacity - self._in_flight
         if room < capacity // 2 and self._in_flight:
             return bool(excluded)
-        leases = await self.db.transaction(store.lease_heads, self.account_id, self.services.node_id,
+        heads = await self._write(store.lease_heads, self.account_id, self.services.node_id,
                                            self.settings.lease_seconds, room)
-        for lease in leases:
+        for lease in heads:
             self._in_flight += 1
             deliveries.start_soon(self._deliver, lease)
-        return bool(excluded or leases)
+        return bool(excluded or heads)
 
     async def _snapshot(self, broadcast_id: str) -> BroadcastSnapshot:
         snapshot = self._snapshots.get(broadcast_id)
@@ -342,7 +395,7 @@ class PlatformAccountActor:
             state = "operator_attention" if exhausted else "retry_wait"
             delay = 0.0 if exhausted else min(60.0, self.settings.retry_base_seconds * 2 ** max(0, attempts - 1))
         try:
-            settled = await self.db.transaction(store.settle_failure, lease, state=state, error=error or "",
+            settled = await self._write(store.settle_failure, lease, state=state, error=error or "",
                                                 delay_seconds=delay)
         except StorageError as exc:
             log.warning("could not record a failed delivery; its lease expires instead",
@@ -367,22 +420,23 @@ class PlatformAccountActor:
 
 
 class PlatformRegistry:
-    """The platform actors of this process: one per account, started at boot (a crash resumes from the
-    rows) and when an account is created; an account's actor ends when it is deleted."""
+    """The platform actors of this process: one per account this node owns (with several nodes,
+    each account's lease decides which node; a crash resumes from the rows).  Actors start at
+    boot, when an account is created, and when an account's owner is gone (`claim_unowned`);
+    an account's actor ends when it is deleted or its lease is lost."""
 
     def __init__(self, services: PlatformServices, nursery: trio.Nursery) -> None:
         self.services = services
         self._nursery = nursery
         self._actors: dict[str, PlatformAccountActor] = {}
+        self._acquiring: dict[str, trio.Event] = {}
         # Actors start in this context, not in that of the request whose command started them.
         self._context = contextvars.copy_context()
 
-    def actor(self, account_id: str) -> PlatformAccountActor:
-        actor = self._actors.get(account_id)
-        if actor is None:
-            actor = PlatformAccountActor(account_id, self.services)
-            self._actors[account_id] = actor
-            self._context.run(self._nursery.start_soon, self._supervise, actor)
+    def _start(self, account_id: str, lease: tuple[str, int] | None) -> PlatformAccountActor:
+        actor = PlatformAccountActor(account_id, self.services, lease)
+        self._actors[account_id] = actor
+        self._context.run(self._nursery.start_soon, self._supervise, actor)
         return actor
 
     async def _supervise(self, actor: PlatformAccountActor) -> None:
@@ -394,27 +448,92 @@ class PlatformRegistry:
             if self._actors.get(actor.account_id) is actor:
                 del self._actors[actor.account_id]
 
-    async def start_all(self) -> None:
-        for account_id in await self.services.db.run(store.account_ids):
-            self.actor(account_id)
+    async def _route(self, account_id: str, *, forwarded: bool) -> PlatformAccountActor | Any:
+        """This node's actor for the account (taking the lease when no live node holds it), or
+        the owning node (an actors.registry.Owner).  A forwarded command never goes further."""
+        while True:
+            actor = self._actors.get(account_id)
+            if actor is not None and not actor.stopped:
+                return actor
+            ownership = self.services.ownership
+            if ownership is None:
+                return self._start(account_id, None)
+            pending = self._acquiring.get(account_id)
+            if pending is not None:  # one acquisition per account at a time
+                await pending.wait()
+                continue
+            self._acquiring[account_id] = done = trio.Event()
+            try:
+                owner = await ownership.acquire(account_id, kind=leases.PLATFORM_ACCOUNTS)
+            finally:
+                del self._acquiring[account_id]
+                done.set()
+            if owner.node_id == ownership.node_id:
+                return self._start(account_id, (owner.node_id, owner.epoch))
+            if forwarded:
+                raise LeaseLost(f"node {ownership.node_id} does not own platform account {account_id}")
+            return owner
 
-    async def _start_missing(self) -> None:
+    async def submit(self, account_id: str, command: PlatformCommand, *, forwarded: bool = False) -> Any:
+        """Run `command` in the account's actor, on whichever node owns it."""
+        backoff = FORWARD_RETRY_FIRST_SECONDS
+        with trio.move_on_after(SUBMIT_TIMEOUT_SECONDS):
+            while True:
+                try:
+                    target = await self._route(account_id, forwarded=forwarded)
+                    if isinstance(target, PlatformAccountActor):
+                        return await target.submit(command)
+                    return await self.services.ownership.forward(target, account_id, command)
+                except LeaseLost:
+                    if forwarded:
+                        raise
+                    command.reply = Reply()  # nothing committed: run it at the (new) owner
+                    await trio.sleep(backoff)  # the lease is changing hands: look again
+                    backoff = min(backoff * 2, FORWARD_RETRY_MAX_SECONDS)
+        raise DatabaseUnavailable("the platform account's owner did not answer in time; retry")
+
+    async def claim(self, account_id: str) -> None:
+        """Start the account's actor here if no live node owns it (else its owner runs it)."""
         try:
-            await self.start_all()
+            await self._route(account_id, forwarded=True)
+        except LeaseLost:
+            pass  # another node owns it
+        except NotFound:
+            pass  # deleted meanwhile
+        except StorageError as exc:
+            log.warning("platform account not claimed; the next pass retries",
+                        extra={"platform_service_account_id": account_id, "error": str(exc)})
+
+    async def claim_unowned(self) -> None:
+        """Every account no live node owns gets its actor here: at boot, and periodically, so a
+        dead owner's accounts move within its node lease."""
+        ownership = self.services.ownership
+        if ownership is None:
+            account_ids = await self.services.db.run(store.account_ids)
+        else:
+            account_ids = await self.services.db.run(leases.unowned_platform_accounts, ownership.node_id)
+        for account_id in account_ids:
+            await self.claim(account_id)
+
+    async def _claim_unowned_logged(self) -> None:
+        try:
+            await self.claim_unowned()
         except StorageError as exc:
             log.warning("platform actors not restarted; the next wake retries", extra={"error": str(exc)})
 
     def wake(self, account_id: str) -> None:
-        """A NOTIFY arrived: '*' wakes every actor (a workspace was created), else one."""
+        """A NOTIFY arrived: '*' wakes every actor here (a workspace was created), else one; an
+        account without a live owner gets its actor here."""
         if account_id == "*":
             for actor in list(self._actors.values()):
                 actor.wake()
-            self._nursery.start_soon(self._start_missing)  # an actor that crashed comes back
+            self._nursery.start_soon(self._claim_unowned_logged)  # an actor that crashed comes back
+            return
+        actor = self._actors.get(account_id)
+        if actor is not None and not actor.stopped:
+            actor.wake()
         else:
-            self.actor(account_id).wake()
-
-    async def submit(self, account_id: str, command: PlatformCommand) -> Any:
-        return await self.actor(account_id).submit(command)
+            self._context.run(self._nursery.start_soon, self.claim, account_id)
 
     @property
     def active(self) -> int:

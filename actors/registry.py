@@ -40,9 +40,10 @@ class Ownership(Protocol):
 
     node_id: str
 
-    async def acquire(self, scope_id: str, *, creating: bool = False) -> Owner:
+    async def acquire(self, scope_id: str, *, creating: bool = False, kind: Any = None) -> Owner:
         """Take the scope's lease or name its owner; NotFound for a scope that does not
-        exist unless `creating` it."""
+        exist unless `creating` it.  `kind`: another kind of owned row (storage.leases),
+        e.g. a platform account."""
 
     async def release(self, scope_id: str, epoch: int) -> None: ...
 

@@ -439,7 +439,7 @@ class ScopeActor:
 
     async def _pass_lease_fence(self, conn: asyncpg.Connection) -> None:
         if self.lease is not None:
-            await leases.pass_scope_fence(conn, self.scope_id, *self.lease)
+            await leases.pass_fence(conn, self.scope_id, *self.lease)
 
     async def _apply_create(self, conn: asyncpg.Connection, command: CreateScope) -> Outcome:
         await self._pass_lease_fence(conn)

@@ -96,7 +96,9 @@ NODES = (
     "A deployment may run several nodes (servers) on one database, each with its own address: connect to any of "
     "them. Every op answers the same on every node, events committed through any node reach subscribers on "
     "every node in the same order, and cursors are the database's, so a client resumes against any node. A "
-    "command for a scope whose owning node has died answers `unavailable` (retry: a message.send with the same "
-    "client_message_id is stored at most once) until another node takes the scope over, at most the "
-    "deployment's node lease (default 10 s) after the last renewal."
+    "command for a scope (or a platform op for a platform account) whose owning node has died answers "
+    "`unavailable` (retry: a message.send with the same client_message_id, a platform.broadcast.create with the "
+    "same client_broadcast_id, is stored at most once) until another node takes it over, at most the "
+    "deployment's node lease (default 10 s) after the last renewal. Platform operators may connect to any node "
+    "too: their ops and platform events are the same everywhere."
 )

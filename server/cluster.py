@@ -43,6 +43,7 @@ import msgspec
 import trio
 from cryptography.hazmat.primitives import serialization
 
+from actors.platform_account import PlatformCommand
 from actors.scope_actor import ActorFailed, ActorUnavailable, Command
 from server.bus import BusTransport, Delivery, PgNotifyTransport
 from server.cluster_fanout import TICK, RemoteFanout, encode, encode_feeds
@@ -310,14 +311,15 @@ class NodeLease:
             await self.db.run(leases.register_node, self.node_id, self.forward_address, self.lease_seconds)
         self._renewed_at = started
 
-    async def acquire(self, scope_id: str, *, creating: bool = False) -> leases.Ownership:
+    async def acquire(self, scope_id: str, *, creating: bool = False,
+                      kind: leases.LeasedKind = leases.SCOPES) -> leases.Ownership:
         if not self.lease_healthy:
             # A lease taken now would fail its first fence: renew ours first (we are evidently running).
             await self.renew()
         try:
-            return await self.db.transaction(_acquire, scope_id, self.node_id, creating)
+            return await self.db.transaction(_acquire, scope_id, self.node_id, creating, kind)
         except asyncpg.LockNotAvailableError:
-            raise LeaseLost("the scope's owner is busy committing; retry") from None
+            raise LeaseLost(f"the {kind.name}'s owner is busy committing; retry") from None
 
     async def release(self, scope_id: str, epoch: int) -> None:
         await self.db.run(leases.release, scope_id, self.node_id, epoch)
@@ -466,11 +468,14 @@ class ClusterNode(NodeLease):
             finally:
                 await stream.aclose()
 
-    async def _run_forwarded(self, framed: _Framed, request_id: int, scope_id: str, command: Command) -> None:
+    async def _run_forwarded(self, framed: _Framed, request_id: int, scope_id: str,
+                             command: Command | PlatformCommand) -> None:
+        """Run a peer's command for a scope (or a platform account: `scope_id` is its id) we own."""
         self.forwarded_in += 1
-        assert self.server.registry is not None
+        registry = self.server.platform if isinstance(command, PlatformCommand) else self.server.registry
+        assert registry is not None
         try:
-            reply = (request_id, True, await self.server.registry.submit(scope_id, command, forwarded=True))
+            reply = (request_id, True, await registry.submit(scope_id, command, forwarded=True))
         except Exception as exc:  # noqa: BLE001 - every outcome goes back to the caller, as it would locally
             reply = (request_id, False, exc)
         try:
@@ -588,6 +593,7 @@ class ClusterNode(NodeLease):
                 connection.push.catch_up()
 
 
-async def _acquire(conn: asyncpg.Connection, scope_id: str, node_id: str, creating: bool) -> leases.Ownership:
+async def _acquire(conn: asyncpg.Connection, key: str, node_id: str, creating: bool,
+                   kind: leases.LeasedKind) -> leases.Ownership:
     await conn.execute(f"SET LOCAL lock_timeout = {ACQUIRE_LOCK_TIMEOUT_MS}")
-    return await leases.acquire(conn, scope_id, node_id, creating=creating)
+    return await leases.acquire(conn, key, node_id, creating=creating, kind=kind)

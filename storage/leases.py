@@ -1,12 +1,12 @@
-"""Nodes and scope ownership leases (scale-out).
+"""Nodes and ownership leases (scale-out): of scopes, and of platform accounts.
 
 A node is one scopewire process.  Its row's `lease_expires_at`, renewed by a
-heartbeat, is the liveness of every scope lease it holds.  A scope is owned by
-at most one node: the lease row names it with an `epoch` that grows on every
-acquisition, and the owner's every write transaction passes `pass_scope_fence`
-first, which takes a shared lock on the lease row and checks node, epoch and
-node lease.  A takeover (`acquire`) updates that row, so it waits for the
-owner's in-flight transaction; after it, the former owner's fence fails and
+heartbeat, is the liveness of every lease it holds.  A scope (a platform
+account) is owned by at most one node: the lease row names it with an `epoch`
+that grows on every acquisition, and the owner's every write transaction passes
+`pass_fence` first, which takes a shared lock on the lease row and checks node,
+epoch and node lease.  A takeover (`acquire`) updates that row, so it waits for
+the owner's in-flight transaction; after it, the former owner's fence fails and
 its transaction commits nothing.  All times are the database's clock, so the
 nodes' own clocks never matter.
 """
@@ -18,6 +18,22 @@ from dataclasses import dataclass
 import asyncpg
 
 from storage.errors import LeaseLost, NotFound
+
+
+@dataclass(frozen=True)
+class LeasedKind:
+    """What is owned: the lease table, its key column, and the table of the owned rows."""
+
+    name: str
+    table: str
+    key: str
+    owned_table: str
+
+
+SCOPES = LeasedKind("scope", "scope_leases", "scope_id", "scopes")
+PLATFORM_ACCOUNTS = LeasedKind("platform account", "platform_account_leases", "platform_service_account_id",
+                               "platform_service_accounts")
+KINDS = (SCOPES, PLATFORM_ACCOUNTS)
 
 
 @dataclass(frozen=True)
@@ -47,61 +63,79 @@ async def renew_node(conn: asyncpg.Connection, node_id: str, ttl_seconds: float)
 
 
 async def stop_node(conn: asyncpg.Connection, node_id: str) -> None:
-    """A clean shutdown: every scope this node owns is free at once (epochs kept)."""
-    await conn.execute("UPDATE scope_leases SET node_id = NULL WHERE node_id = $1", node_id)
+    """A clean shutdown: everything this node owns is free at once (epochs kept)."""
+    for kind in KINDS:
+        await conn.execute(f"UPDATE {kind.table} SET node_id = NULL WHERE node_id = $1", node_id)
     await conn.execute("UPDATE cluster_nodes SET stopped_at = now(), heartbeat_at = now(), lease_expires_at = now() "
                        "WHERE node_id = $1", node_id)
 
 
-async def acquire(conn: asyncpg.Connection, scope_id: str, node_id: str, *, creating: bool = False) -> Ownership:
-    """Take the scope's lease when it is free, held by a node whose lease ran
-    out, or held by this node (a new epoch: this node's previous actor for the
-    scope is over).  Otherwise report the live owner.  The update waits for the
-    current owner's in-flight write transaction (its shared lock), so a live
-    owner is read first, without a lock: asking who owns a busy scope never waits."""
+async def acquire(conn: asyncpg.Connection, key: str, node_id: str, *, creating: bool = False,
+                  kind: LeasedKind = SCOPES) -> Ownership:
+    """Take the lease of `key` (a scope, or another `kind`) when it is free, held by
+    a node whose lease ran out, or held by this node (a new epoch: this node's
+    previous actor for it is over).  Otherwise report the live owner.  The update
+    waits for the current owner's in-flight write transaction (its shared lock), so
+    a live owner is read first, without a lock: asking who owns a busy scope never
+    waits.  `creating`: the scope's row does not exist yet (its creation is the
+    owner's first write)."""
+    table, column = kind.table, kind.key
     held = await conn.fetchrow(
-        "SELECT l.node_id, l.epoch, n.forward_address FROM scope_leases l JOIN cluster_nodes n "
-        "ON n.node_id = l.node_id AND n.stopped_at IS NULL AND n.lease_expires_at > clock_timestamp() "
-        "WHERE l.scope_id = $1 AND l.node_id <> $2", scope_id, node_id)
+        f"SELECT l.node_id, l.epoch, n.forward_address FROM {table} l JOIN cluster_nodes n "
+        f"ON n.node_id = l.node_id AND n.stopped_at IS NULL AND n.lease_expires_at > clock_timestamp() "
+        f"WHERE l.{column} = $1 AND l.node_id <> $2", key, node_id)
     if held is not None:
         return Ownership(held["node_id"], held["epoch"], held["forward_address"])
-    # Only a scope that exists, or one being created, gets a lease row.
+    # Only what exists, or a scope being created, gets a lease row.
     row = await conn.fetchrow(
-        "INSERT INTO scope_leases AS l (scope_id, node_id) SELECT $1, $2 "
-        "WHERE $3 OR EXISTS (SELECT 1 FROM scopes s WHERE s.id = $1) "
-        "ON CONFLICT (scope_id) DO UPDATE SET node_id = EXCLUDED.node_id, epoch = l.epoch + 1, acquired_at = now() "
-        "WHERE l.node_id IS NULL OR l.node_id = EXCLUDED.node_id OR NOT EXISTS ("
-        "  SELECT 1 FROM cluster_nodes n WHERE n.node_id = l.node_id AND n.stopped_at IS NULL "
-        "  AND n.lease_expires_at > clock_timestamp()) "
-        "RETURNING node_id, epoch", scope_id, node_id, creating)
+        f"INSERT INTO {table} AS l ({column}, node_id) SELECT $1, $2 "
+        f"WHERE $3 OR EXISTS (SELECT 1 FROM {kind.owned_table} o WHERE o.id = $1) "
+        f"ON CONFLICT ({column}) DO UPDATE SET node_id = EXCLUDED.node_id, epoch = l.epoch + 1, acquired_at = now() "
+        f"WHERE l.node_id IS NULL OR l.node_id = EXCLUDED.node_id OR NOT EXISTS ("
+        f"  SELECT 1 FROM cluster_nodes n WHERE n.node_id = l.node_id AND n.stopped_at IS NULL "
+        f"  AND n.lease_expires_at > clock_timestamp()) "
+        f"RETURNING node_id, epoch", key, node_id, creating)
     if row is not None:
         return Ownership(row["node_id"], row["epoch"], "")
-    if not creating and not await conn.fetchval("SELECT EXISTS (SELECT 1 FROM scopes WHERE id = $1)", scope_id):
-        raise NotFound("scope")
+    if not creating and not await conn.fetchval(
+            f"SELECT EXISTS (SELECT 1 FROM {kind.owned_table} WHERE id = $1)", key):
+        raise NotFound(kind.name)
     held = await conn.fetchrow(
-        "SELECT l.node_id, l.epoch, n.forward_address FROM scope_leases l "
-        "JOIN cluster_nodes n ON n.node_id = l.node_id WHERE l.scope_id = $1", scope_id)
+        f"SELECT l.node_id, l.epoch, n.forward_address FROM {table} l "
+        f"JOIN cluster_nodes n ON n.node_id = l.node_id WHERE l.{column} = $1", key)
     if held is None:  # released meanwhile: the next attempt takes it
-        raise LeaseLost("the scope's lease changed hands; retry")
+        raise LeaseLost(f"the {kind.name}'s lease changed hands; retry")
     return Ownership(held["node_id"], held["epoch"], held["forward_address"])
 
 
-async def release(conn: asyncpg.Connection, scope_id: str, node_id: str, epoch: int) -> None:
+async def release(conn: asyncpg.Connection, key: str, node_id: str, epoch: int, *,
+                  kind: LeasedKind = SCOPES) -> None:
     """An idle actor gives its scope back (the epoch stays, so it can never pass again)."""
-    await conn.execute("UPDATE scope_leases SET node_id = NULL WHERE scope_id = $1 AND node_id = $2 AND epoch = $3",
-                       scope_id, node_id, epoch)
+    await conn.execute(f"UPDATE {kind.table} SET node_id = NULL WHERE {kind.key} = $1 AND node_id = $2 AND epoch = $3",
+                       key, node_id, epoch)
 
 
-async def pass_scope_fence(conn: asyncpg.Connection, scope_id: str, node_id: str, epoch: int) -> None:
+async def pass_fence(conn: asyncpg.Connection, key: str, node_id: str, epoch: int, *,
+                     kind: LeasedKind = SCOPES) -> None:
     """Inside a write transaction, before its first write: hold the lease row
     shared until commit and refuse a lost or expired lease (LeaseLost: the
     transaction must roll back, nothing of it commits)."""
     ok = await conn.fetchval(
-        "SELECT true FROM scope_leases l WHERE l.scope_id = $1 AND l.node_id = $2 AND l.epoch = $3 "
-        "AND EXISTS (SELECT 1 FROM cluster_nodes n WHERE n.node_id = $2 AND n.stopped_at IS NULL "
-        "AND n.lease_expires_at > clock_timestamp()) FOR SHARE OF l", scope_id, node_id, epoch)
+        f"SELECT true FROM {kind.table} l WHERE l.{kind.key} = $1 AND l.node_id = $2 AND l.epoch = $3 "
+        f"AND EXISTS (SELECT 1 FROM cluster_nodes n WHERE n.node_id = $2 AND n.stopped_at IS NULL "
+        f"AND n.lease_expires_at > clock_timestamp()) FOR SHARE OF l", key, node_id, epoch)
     if not ok:
-        raise LeaseLost(f"this node no longer owns scope {scope_id} (epoch {epoch})")
+        raise LeaseLost(f"this node no longer owns {kind.name} {key} (epoch {epoch})")
+
+
+async def unowned_platform_accounts(conn: asyncpg.Connection, node_id: str) -> list[str]:
+    """Platform accounts no live node owns, or this node's own (a restart with the same node id)."""
+    return [row["id"] for row in await conn.fetch(
+        "SELECT a.id FROM platform_service_accounts a "
+        "LEFT JOIN platform_account_leases l ON l.platform_service_account_id = a.id "
+        "WHERE l.node_id IS NULL OR l.node_id = $1 OR NOT EXISTS (SELECT 1 FROM cluster_nodes n "
+        "WHERE n.node_id = l.node_id AND n.stopped_at IS NULL AND n.lease_expires_at > clock_timestamp()) "
+        "ORDER BY a.id", node_id)]
 
 
 async def node_is_live(conn: asyncpg.Connection, node_id: str) -> bool:

@@ -2523,6 +2523,27 @@ scope_leases = introduced_in(8, Table(
     indexes=(Index("scope_leases_node_idx", "node_id", where="node_id IS NOT NULL"),),
 ))
 
+# Which node's PlatformAccountActor owns a platform account (version 9): the same rule as
+# scope_leases, the row going with its account.
+platform_account_leases = introduced_in(9, Table(
+    "platform_account_leases",
+    columns=(
+        Column("platform_service_account_id", "text"),
+        Column("node_id", "text", nullable=True),  # NULL: released, free to take
+        Column("epoch", "bigint", default="1"),
+        Column("acquired_at", TS, default=NOW),
+    ),
+    primary_key=("platform_service_account_id",),
+    checks=(Check("platform_account_leases_epoch_positive", "epoch >= 1"),),
+    foreign_keys=(
+        ForeignKey("platform_account_leases_account_fkey", ("platform_service_account_id",),
+                   "platform_service_accounts", ("id",), on_delete="CASCADE"),
+        ForeignKey("platform_account_leases_node_fkey", ("node_id",), "cluster_nodes", ("node_id",),
+                   on_delete="SET NULL"),
+    ),
+    indexes=(Index("platform_account_leases_node_idx", "node_id", where="node_id IS NOT NULL"),),
+))
+
 # Bus messages too big for a NOTIFY payload: the notification names this row instead.
 cluster_bus_spill = introduced_in(8, Table(
     "cluster_bus_spill",
@@ -2612,6 +2633,7 @@ SCHEMA = Schema(
         cluster_nodes,
         scope_leases,
         cluster_bus_spill,
+        platform_account_leases,
     ),
     versions=(
         Version(1, "tenancy kernel and message domain",
@@ -2640,6 +2662,7 @@ SCHEMA = Schema(
             "SELECT id, workspace_id FROM scopes WHERE latest_seq > 0 ON CONFLICT DO NOTHING",
         )),
         Version(8, "scale-out: nodes, scope ownership leases with fencing epochs, the cross-node bus's spill"),
+        Version(9, "scale-out: platform account ownership leases with fencing epochs"),
     ),
     extensions=EXTENSIONS,
 )

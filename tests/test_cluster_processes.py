@@ -636,7 +636,7 @@ async def _stale_owner_fenced(dsn: str) -> None:
         # The owner's write transaction passes the fence; then its node lease runs out.
         committing = owner.transaction()
         await committing.start()
-        await leases.pass_scope_fence(owner, scope_id, "old", 1)
+        await leases.pass_fence(owner, scope_id, "old", 1)
         await owner.execute("INSERT INTO written VALUES ('under the fence')")
         await expire_node_lease(admin, "old")
         # The takeover waits for that transaction (its shared lock on the lease row)...
@@ -656,21 +656,21 @@ async def _stale_owner_fenced(dsn: str) -> None:
         for node_id, epoch in (("old", 1), ("old", 2), ("new", 1)):
             with pytest.raises(LeaseLost):
                 async with owner.transaction():
-                    await leases.pass_scope_fence(owner, scope_id, node_id, epoch)
+                    await leases.pass_fence(owner, scope_id, node_id, epoch)
                     await owner.execute("INSERT INTO written VALUES ($1)", f"stale {node_id} {epoch}")
         async with owner.transaction():
-            await leases.pass_scope_fence(owner, scope_id, "new", 2)
+            await leases.pass_fence(owner, scope_id, "new", 2)
             await owner.execute("INSERT INTO written VALUES ('by the new owner')")
         # Nor does the new owner once its own node lease ran out, or once it stopped.
         await expire_node_lease(admin, "new")
         with pytest.raises(LeaseLost):
             async with owner.transaction():
-                await leases.pass_scope_fence(owner, scope_id, "new", 2)
+                await leases.pass_fence(owner, scope_id, "new", 2)
         assert await leases.renew_node(admin, "new", 60)
         await leases.stop_node(admin, "new")
         with pytest.raises(LeaseLost):
             async with owner.transaction():
-                await leases.pass_scope_fence(owner, scope_id, "new", 2)
+                await leases.pass_fence(owner, scope_id, "new", 2)
         assert await owner.fetch("SELECT note FROM written ORDER BY note") == [
             ("by the new owner",), ("under the fence",)]
     finally:

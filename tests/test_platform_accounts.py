@@ -15,8 +15,10 @@ from pathlib import Path
 
 import trio
 
+from actors import platform_account as pa
 from client import connect
 from protocol import frames
+from storage import platform as platform_store
 from tests.conftest import App, add_person
 from tests.platform_helpers import (broadcast, conversation_messages, create_platform_account, get_account,
                                     instances, local_account, operator, wait_broadcast_done, wait_ready)
@@ -336,6 +338,39 @@ async def test_delete_removes_every_instance_scope_and_message_and_keeps_the_aud
         await expect_reason("conflict", "name_taken", ops.call("platform.account.create", name="news"))
         again = await create_platform_account(ops, "Newsroom")
         assert again["id"] != account["id"]
+
+
+async def test_a_delete_is_answered_when_the_actor_finds_the_account_gone_first(app: App, tenants, monkeypatch):
+    """The actor's own pass can see the deleted row before the delete command has answered (the
+    commit and the reply are not one step): the operator still gets the reply, not a wait forever."""
+    advance_ended = trio.Event()
+    advance_loop = pa.PlatformAccountActor._advance_loop
+
+    async def advance_loop_then_tell(self):
+        try:
+            await advance_loop(self)
+        finally:
+            advance_ended.set()
+
+    async def delete_then_let_the_pass_run_first(self, command):  # _delete, with the pass run in between
+        result = await self.db.transaction(platform_store.delete_account, self.account_id, command.expected_version,
+                                           command.operator_id, command.correlation_id)
+        self.wake()
+        await advance_ended.wait()  # the pass met the missing row and ended
+        await trio.sleep(0)  # a checkpoint still inside the handler, like the bridge's hand-over
+        self.deleted = True
+        return result
+
+    monkeypatch.setattr(pa.PlatformAccountActor, "_advance_loop", advance_loop_then_tell)
+    monkeypatch.setattr(pa.PlatformAccountActor, "_delete", delete_then_let_the_pass_run_first)
+    async with operator(app) as ops:
+        account = await create_platform_account(ops, "News")
+        await wait_ready(ops, account["id"])
+        current = await get_account(ops, account["id"])
+        with trio.fail_after(30):
+            assert await ops.call("platform.account.delete", platform_service_account_id=account["id"],
+                                  expected_version=current["version"]) == {"ok": True}
+        await expect_error("not_found", ops.call("platform.account.get", platform_service_account_id=account["id"]))
 
 
 # --- bad input: typed errors, never internal ----------------------------------------------------------------

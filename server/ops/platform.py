@@ -185,8 +185,9 @@ def _registry(server: Server) -> pa.PlatformRegistry:
 
 async def run_platform(server: Server, nursery: trio.Nursery, *,
                        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-    """Start the platform actors (every account: a crash resumes from the rows) and wake them on
-    NOTIFY (a workspace created, an instance ready) from any process."""
+    """Start the platform actors of the accounts no live node owns (a crash resumes from the rows;
+    then every node lease period, so a dead node's accounts move) and wake them on NOTIFY (a
+    workspace created, an instance ready) from any process."""
     config = server.config
     services = pa.PlatformServices(
         db=server.db, scopes=server.registry, node_id=server.node_id,
@@ -194,15 +195,16 @@ async def run_platform(server: Server, nursery: trio.Nursery, *,
                                      lease_seconds=config.platform_lease_seconds,
                                      max_attempts=config.platform_max_attempts,
                                      retry_base_seconds=config.platform_retry_base_seconds),
-        emit=lambda event, **ids: emit(server, event, **ids))
+        emit=lambda event, **ids: emit(server, event, **ids), ownership=server.cluster)
     server.platform = pa.PlatformRegistry(services, nursery)
     while True:
         try:
-            await server.platform.start_all()
+            await server.platform.claim_unowned()
             break
         except DatabaseUnavailable as exc:
             log.warning("platform actors not started yet; retrying", extra={"error": str(exc)})
             await trio.sleep(1.0)
+    nursery.start_soon(_claim_periodically, server.platform, config.node_lease_seconds)
     task_status.started()
     while True:
         try:
@@ -212,6 +214,15 @@ async def run_platform(server: Server, nursery: trio.Nursery, *,
         except DatabaseUnavailable as exc:
             log.warning("platform LISTEN failed; the actors' periodic pass covers it", extra={"error": str(exc)})
             await trio.sleep(WAKE_RECHECK_SECONDS)
+
+
+async def _claim_periodically(registry: pa.PlatformRegistry, interval_seconds: float) -> None:
+    while True:
+        await trio.sleep(interval_seconds)
+        try:
+            await registry.claim_unowned()
+        except DatabaseUnavailable as exc:
+            log.warning("platform accounts not claimed; retrying", extra={"error": str(exc)})
 
 
 # --- handlers ---------------------------------------------------------------------------------------------
@@ -229,7 +240,7 @@ async def account_create(server: Server, connection: Connection, request: p.Plat
     row = await server.db.transaction(store.create_account, name=_name(request.name),
                                       description=request.description, operator_id=_operator(ctx),
                                       correlation_id=_correlation())
-    _registry(server).actor(row["id"]).wake()
+    _registry(server).wake(row["id"])
     info = account_info(row)
     publish_platform(server, "platform_service_account.created", p.PlatformAccountChanged(
         platform_service_account_id=row["id"], version=row["version"], name=row["name"]))

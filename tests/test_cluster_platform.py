@@ -1,0 +1,121 @@
+"""Platform accounts with several nodes on one database: each account's
+PlatformAccountActor runs on the one node holding its lease, any node serves
+its operators (commands forwarded to the owner, events over the bus), a dead
+owner's accounts move, and a stale owner's every transaction is fenced."""
+
+from __future__ import annotations
+
+import pytest
+
+from server.ops.platform import create_operator
+from storage import leases
+from storage import platform as platform_store
+from storage.errors import LeaseLost
+from tests.conftest import App
+from tests.platform_helpers import (broadcast, conversation_messages, create_platform_account, get_account, operator,
+                                    wait_broadcast_done, wait_ready)
+from tests.test_cluster_nodes import Nodes
+from tests.test_tenancy import signed_in
+
+
+@pytest.fixture
+async def two_nodes(database_dsn, nursery, tenants) -> list[App]:
+    return await Nodes(nursery, database_dsn).start(2)
+
+
+async def _lease(app: App, account_id: str):
+    return await app.db.run(lambda conn: conn.fetchrow(
+        "SELECT node_id, epoch FROM platform_account_leases WHERE platform_service_account_id = $1", account_id))
+
+
+async def _delivered_once_everywhere(app: App, tenants, account_id: str, contents: list[str]) -> None:
+    for tenant in tenants:
+        async with await signed_in(app, tenant.owner) as member:
+            messages = await conversation_messages(member, tenant.workspace_id, account_id)
+            assert [m["content"] for m in messages] == contents
+
+
+async def _owner_first(apps: list[App], account_id: str) -> tuple[App, App]:
+    """(owner, the other): whichever node claimed the account first (both hear of it)."""
+    owner_id = (await _lease(apps[0], account_id))["node_id"]
+    owner = next(app for app in apps if app.server.node_id == owner_id)
+    return owner, next(app for app in apps if app is not owner)
+
+
+async def test_an_account_runs_on_its_owner_and_any_node_serves_its_operators(two_nodes, tenants):
+    async with operator(two_nodes[0], "creator") as creator:
+        account = await create_platform_account(creator, "News")
+        await wait_ready(creator, account["id"])
+    first, second = await _owner_first(two_nodes, account["id"])
+    assert first.server.platform.active == 1 and second.server.platform.active == 0
+    async with operator(second, "remote") as remote:
+        # The other node forwards its operator's commands; the owner's events reach its subscription.
+        sent = await broadcast(remote, account["id"], "b-1", content="from the other node")
+        assert (await wait_broadcast_done(remote, sent["id"]))["state"] == "completed"
+        updated = await remote.call("platform.account.update", platform_service_account_id=account["id"],
+                                    expected_version=(await get_account(remote, account["id"]))["version"],
+                                    name="Newsroom")
+        assert updated["name"] == "Newsroom"
+        await remote.wait("platform_service_account.updated", lambda d: d["name"] == "Newsroom")
+    assert second.server.cluster.forwarded_out >= 2 and first.server.cluster.forwarded_in >= 2
+    assert second.server.platform.active == 0
+    await _delivered_once_everywhere(second, tenants, account["id"], ["from the other node"])
+
+
+async def test_a_dead_owners_account_moves_and_its_stale_actor_commits_nothing(two_nodes, tenants):
+    async with operator(two_nodes[0], "creator") as creator:
+        account = await create_platform_account(creator, "News")
+        await wait_ready(creator, account["id"])
+    first, second = await _owner_first(two_nodes, account["id"])
+    async with operator(first, "first") as on_first, operator(second, "second") as on_second:
+        assert (await _lease(first, account["id"]))["epoch"] == 1
+        # The owner stops heartbeating (its heartbeat is minutes away in this test): its node lease runs out.
+        await first.db.run(lambda conn: conn.execute(
+            "UPDATE cluster_nodes SET heartbeat_at = now() - interval '2 seconds', "
+            "lease_expires_at = now() - interval '1 second' WHERE node_id = $1", first.server.node_id))
+
+        # The other node takes the account at the next command for it, and runs the broadcast itself.
+        sent = await broadcast(on_second, account["id"], "b-1", content="after the takeover")
+        assert (await _lease(first, account["id"])) == (second.server.node_id, 2)
+        assert (await wait_broadcast_done(on_second, sent["id"]))["state"] == "completed"
+
+        # The former owner comes back to life: its actor still holds epoch 1, so its write is
+        # refused and the command runs at the owner instead (forwarded), exactly once.
+        await first.server.cluster.renew()
+        version = (await get_account(on_first, account["id"]))["version"]
+        forwarded_before = first.server.cluster.forwarded_out
+        updated = await on_first.call("platform.account.update", platform_service_account_id=account["id"],
+                                      expected_version=version, name="Newsroom")
+        assert updated["version"] == version + 1
+        assert first.server.cluster.forwarded_out == forwarded_before + 1
+        assert first.server.platform.active == 0 and second.server.platform.active == 1
+    await _delivered_once_everywhere(second, tenants, account["id"], ["after the takeover"])
+
+
+async def test_the_platform_fence_refuses_a_former_owner(db, tenants):
+    operator_id, _, _ = await create_operator(db, "ops")
+    account = await db.transaction(platform_store.create_account, name="Fenced", description="",
+                                   operator_id=operator_id, correlation_id="req_test")
+    kind = leases.PLATFORM_ACCOUNTS
+
+    async def fenced(conn, node_id: str, epoch: int) -> None:
+        await leases.pass_fence(conn, account["id"], node_id, epoch, kind=kind)
+
+    async def expire(conn, node_id: str) -> None:
+        await conn.execute("UPDATE cluster_nodes SET heartbeat_at = now() - interval '2 seconds', "
+                           "lease_expires_at = now() - interval '1 second' WHERE node_id = $1", node_id)
+
+    for node_id in ("old", "new"):
+        await db.run(leases.register_node, node_id, f"{node_id}:1", 60)
+    assert await db.transaction(leases.acquire, account["id"], "old", kind=kind) == leases.Ownership("old", 1, "")
+    assert await db.transaction(leases.acquire, account["id"], "new", kind=kind) == leases.Ownership("old", 1, "old:1")
+    await db.transaction(fenced, "old", 1)
+    await db.run(expire, "old")
+    assert await db.transaction(leases.acquire, account["id"], "new", kind=kind) == leases.Ownership("new", 2, "")
+    for node_id, epoch in (("old", 1), ("new", 1)):
+        with pytest.raises(LeaseLost):
+            await db.transaction(fenced, node_id, epoch)
+    await db.transaction(fenced, "new", 2)
+    # The lease goes with its account.
+    await db.transaction(platform_store.delete_account, account["id"], account["version"], operator_id, "req_test")
+    assert await db.run(lambda conn: conn.fetchval("SELECT count(*) FROM platform_account_leases")) == 0
