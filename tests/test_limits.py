@@ -28,9 +28,11 @@ from tests.test_tenancy import expect_error, signed_in
 
 @pytest.fixture
 def server_config() -> ServerConfig:
+    # The pong deadline is far beyond the idle timeout: on a busy machine a late pong must
+    # not close the idle connection before the idle timeout does.
     return ServerConfig(port=0, auth_timeout_seconds=2.0, shutdown_grace_seconds=1.0, commands_per_second=0.5,
                         command_burst=40, max_connections_per_member=3, heartbeat_seconds=0.2,
-                        heartbeat_timeout_seconds=1.0, idle_timeout_seconds=3.0, max_frame_bytes=64 * 1024)
+                        heartbeat_timeout_seconds=10.0, idle_timeout_seconds=3.0, max_frame_bytes=64 * 1024)
 
 
 async def test_commands_per_connection_are_rate_limited(app: App, tenants):
