@@ -43,7 +43,7 @@ PROVISION_BATCH = 50  # workspaces opened per provisioning transaction
 ENUMERATION_PAGE = 500  # deliveries written per enumeration transaction
 PROFILE_BATCH = 200
 IDLE_RECHECK_SECONDS = 30.0  # a periodic look at the rows, whatever woke or did not wake us
-SUBMIT_TIMEOUT_SECONDS = 30.0  # a command's wait for its owner, however the lease moves meanwhile
+OWNER_SEARCH_SECONDS = 30.0  # how long a command looks for the account's owner while the lease moves
 
 
 @dataclass(frozen=True)
@@ -475,22 +475,24 @@ class PlatformRegistry:
             return owner
 
     async def submit(self, account_id: str, command: PlatformCommand, *, forwarded: bool = False) -> Any:
-        """Run `command` in the account's actor, on whichever node owns it."""
+        """Run `command` in the account's actor, on whichever node owns it.  Only the search for
+        an owner is bounded: a command handed to an actor runs, and its reply says how it went."""
         backoff = FORWARD_RETRY_FIRST_SECONDS
-        with trio.move_on_after(SUBMIT_TIMEOUT_SECONDS):
-            while True:
-                try:
-                    target = await self._route(account_id, forwarded=forwarded)
-                    if isinstance(target, PlatformAccountActor):
-                        return await target.submit(command)
-                    return await self.services.ownership.forward(target, account_id, command)
-                except LeaseLost:
-                    if forwarded:
-                        raise
-                    command.reply = Reply()  # nothing committed: run it at the (new) owner
-                    await trio.sleep(backoff)  # the lease is changing hands: look again
-                    backoff = min(backoff * 2, FORWARD_RETRY_MAX_SECONDS)
-        raise DatabaseUnavailable("the platform account's owner did not answer in time; retry")
+        give_up_at = trio.current_time() + OWNER_SEARCH_SECONDS
+        while True:
+            try:
+                target = await self._route(account_id, forwarded=forwarded)
+                if isinstance(target, PlatformAccountActor):
+                    return await target.submit(command)
+                return await self.services.ownership.forward(target, account_id, command)
+            except LeaseLost:
+                if forwarded:
+                    raise
+                if trio.current_time() + backoff > give_up_at:
+                    raise DatabaseUnavailable("no node took the platform account in time; retry") from None
+                command.reply = Reply()  # nothing committed: run it at the (new) owner
+                await trio.sleep(backoff)  # the lease is changing hands: look again
+                backoff = min(backoff * 2, FORWARD_RETRY_MAX_SECONDS)
 
     async def claim(self, account_id: str) -> None:
         """Start the account's actor here if no live node owns it (else its owner runs it)."""
@@ -500,7 +502,7 @@ class PlatformRegistry:
             pass  # another node owns it
         except NotFound:
             pass  # deleted meanwhile
-        except StorageError as exc:
+        except (StorageError, asyncpg.PostgresError) as exc:  # e.g. deleted while its lease row was written
             log.warning("platform account not claimed; the next pass retries",
                         extra={"platform_service_account_id": account_id, "error": str(exc)})
 
@@ -522,8 +524,9 @@ class PlatformRegistry:
             log.warning("platform actors not restarted; the next wake retries", extra={"error": str(exc)})
 
     def wake(self, account_id: str) -> None:
-        """A NOTIFY arrived: '*' wakes every actor here (a workspace was created), else one; an
-        account without a live owner gets its actor here."""
+        """A NOTIFY arrived: '*' wakes every actor here (a workspace was created) and claims the
+        accounts no live node owns; else the account's actor, if it runs here (its owner elsewhere
+        hears the same NOTIFY; a dead owner's accounts are claimed by the periodic pass)."""
         if account_id == "*":
             for actor in list(self._actors.values()):
                 actor.wake()
@@ -532,8 +535,10 @@ class PlatformRegistry:
         actor = self._actors.get(account_id)
         if actor is not None and not actor.stopped:
             actor.wake()
-        else:
-            self._context.run(self._nursery.start_soon, self.claim, account_id)
+
+    def start(self, account_id: str) -> None:
+        """A new account: its actor starts here (this node takes its lease, unless another was quicker)."""
+        self._context.run(self._nursery.start_soon, self.claim, account_id)
 
     @property
     def active(self) -> int:

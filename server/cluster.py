@@ -473,8 +473,9 @@ class ClusterNode(NodeLease):
         """Run a peer's command for a scope (or a platform account: `scope_id` is its id) we own."""
         self.forwarded_in += 1
         registry = self.server.platform if isinstance(command, PlatformCommand) else self.server.registry
-        assert registry is not None
         try:
+            if registry is None:  # still starting: the sender looks for the owner again
+                raise LeaseLost(f"node {self.node_id} is not serving yet")
             reply = (request_id, True, await registry.submit(scope_id, command, forwarded=True))
         except Exception as exc:  # noqa: BLE001 - every outcome goes back to the caller, as it would locally
             reply = (request_id, False, exc)

@@ -33,6 +33,10 @@ from storage.errors import DatabaseUnavailable
 
 # Far above any pause between two statements of one unit of work here.
 IDLE_IN_TRANSACTION_MS = 15_000
+# A whole transaction's bound (PostgreSQL 17+): it also ends one that a frozen process left in
+# the middle of a statement's messages (asyncpg prepares a statement in its own round trip),
+# where the idle timeout does not apply.  Migrations lift it for their own transactions.
+TRANSACTION_TIMEOUT_MS = 60_000
 
 log = logging.getLogger("scopewire.db")
 
@@ -189,16 +193,23 @@ class Database:
         await trio.to_thread.run_sync(self._thread.join)
 
     async def _open_pool(self) -> None:
+        # A transaction left open by a frozen process (SIGSTOP, a stalled VM) would hold
+        # its locks — a scope lease's among them — until it resumed; PostgreSQL ends it.
+        settings = {"application_name": "scopewire",
+                    "idle_in_transaction_session_timeout": str(IDLE_IN_TRANSACTION_MS)}
+        probe = await asyncpg.connect(self.dsn, timeout=self.settings.connect_timeout)
+        try:
+            if probe.get_server_version().major >= 17:  # older servers refuse the unknown setting
+                settings["transaction_timeout"] = str(TRANSACTION_TIMEOUT_MS)
+        finally:
+            await probe.close()
         self._pool = await asyncpg.create_pool(
             self.dsn,
             min_size=self.settings.min_size,
             max_size=self.settings.max_size,
             command_timeout=self.settings.command_timeout,
             timeout=self.settings.connect_timeout,
-            # A transaction left open by a frozen process (SIGSTOP, a stalled VM) would hold
-            # its locks — a scope lease's among them — until it resumed; PostgreSQL ends it.
-            server_settings={"application_name": "scopewire",
-                             "idle_in_transaction_session_timeout": str(IDLE_IN_TRANSACTION_MS)},
+            server_settings=settings,
         )
 
     async def _close_pool(self) -> None:

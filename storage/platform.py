@@ -798,6 +798,11 @@ async def delete_account(conn: asyncpg.Connection, account_id: str, expected_ver
     in-flight workspace deliveries): audit first, then every local instance with its scope, messages and
     author member, the name, and the root (its inputs, broadcasts and deliveries cascade).  Returns the
     root and the local accounts deleted."""
+    # The account's lease row goes with it (cascade), and every fenced transaction of its actor holds
+    # that row shared before it locks the root: taking it first, before the root, keeps those
+    # transactions from waiting on the root while this one waits on them (a deadlock).
+    await conn.execute("SELECT 1 FROM platform_account_leases WHERE platform_service_account_id = $1 FOR UPDATE",
+                       account_id)
     root = await _lock_root(conn, account_id, "UPDATE")
     if root["version"] != expected_version:
         raise Conflict("version_mismatch", f"the account is at version {root['version']}")

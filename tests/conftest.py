@@ -93,13 +93,17 @@ async def _fingerprint(dsn: str) -> str:
 
 
 async def _empty_for_reuse(cluster: PostgresCluster, name: str) -> bool:
-    """Ends every other session on `name` and deletes every row but the recorded migrations;
-    False (the caller drops it) when its schema or migrations no longer match the template's."""
+    """Closes `name` to new sessions (a process the test left behind cannot reconnect into
+    the next test's data), ends every other session and deletes every row but the recorded
+    migrations; False (the caller drops it) when its schema or migrations no longer match the
+    template's, or another session is still there."""
     conn = await asyncpg.connect(cluster.dsn(name))
     try:
-        await conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                           "WHERE datname = current_database() AND pid <> pg_backend_pid()")
-        if await conn.fetchval(_SCHEMA_FINGERPRINT) != _template_fingerprint:
+        await _admin(cluster, f"ALTER DATABASE {name} ALLOW_CONNECTIONS false")
+        others = "FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        await conn.execute(f"SELECT pg_terminate_backend(pid, 5000) {others}")
+        if await conn.fetchval(f"SELECT count(*) {others}") or \
+                await conn.fetchval(_SCHEMA_FINGERPRINT) != _template_fingerprint:
             return False
         tables = await conn.fetch("SELECT quote_ident(tablename) AS name FROM pg_tables "
                                   "WHERE schemaname = 'public' AND tablename <> 'schema_migrations'")
@@ -119,13 +123,14 @@ def database_dsn(pg_cluster: PostgresCluster, template_database: str) -> Iterato
         _template_fingerprint = asyncio.run(_fingerprint(pg_cluster.dsn(template_database)))
     if _emptied_databases:
         name = _emptied_databases.pop()
+        asyncio.run(_admin(pg_cluster, f"ALTER DATABASE {name} ALLOW_CONNECTIONS true"))
     else:
         name = f"test_{next(_database_numbers)}"
         asyncio.run(_admin(pg_cluster, f"CREATE DATABASE {name} TEMPLATE {template_database}"))
     yield pg_cluster.dsn(name)
     try:
         reusable = asyncio.run(_empty_for_reuse(pg_cluster, name))
-    except (OSError, asyncpg.PostgresError):  # e.g. a test left it refusing connections
+    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError):  # e.g. a test left it refusing connections
         reusable = False
     if reusable:
         _emptied_databases.append(name)

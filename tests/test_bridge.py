@@ -254,3 +254,10 @@ async def test_a_handover_that_overflows_drops_and_marks_the_next_item_resync():
     assert receive.receive_nowait() == Notification("c", "5")
     await receive.aclose()
     assert not handover.offer(Notification("c", "6"))
+
+
+async def test_every_pooled_transaction_is_bounded_as_a_whole(db):
+    """A process frozen between a statement's messages leaves its transaction "active", where the
+    idle-in-transaction timeout does not apply: the whole transaction's bound ends it."""
+    assert await db.run(lambda conn: conn.fetchval("SHOW transaction_timeout")) == "1min"
+    assert await db.run(lambda conn: conn.fetchval("SHOW idle_in_transaction_session_timeout")) == "15s"

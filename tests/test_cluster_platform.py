@@ -5,7 +5,11 @@ owner's accounts move, and a stale owner's every transaction is fenced."""
 
 from __future__ import annotations
 
+import asyncio
+
+import asyncpg
 import pytest
+import trio
 
 from server.ops.platform import create_operator
 from storage import leases
@@ -119,3 +123,47 @@ async def test_the_platform_fence_refuses_a_former_owner(db, tenants):
     # The lease goes with its account.
     await db.transaction(platform_store.delete_account, account["id"], account["version"], operator_id, "req_test")
     assert await db.run(lambda conn: conn.fetchval("SELECT count(*) FROM platform_account_leases")) == 0
+
+
+async def test_a_delete_waits_for_the_actors_fenced_transactions_without_a_deadlock(database_dsn: str, tenants):
+    """The actor's transactions pass the fence (the lease row, shared) and then lock the account's
+    root; the delete (whose cascade takes the lease row) must not hold the root while it waits for
+    them.  On asyncpg connections of their own (`tenants`: an initialised instance)."""
+    await trio.to_thread.run_sync(asyncio.run, _delete_beside_a_fenced_step(database_dsn))
+
+
+async def _delete_beside_a_fenced_step(dsn: str) -> None:
+    admin, step, deleting = [await asyncpg.connect(dsn) for _ in range(3)]
+    try:
+        operator_id, _ = await platform_store.create_operator(admin, "ops", bytes(32))
+        async with admin.transaction():
+            account = await platform_store.create_account(admin, name="Busy", description="",
+                                                          operator_id=operator_id, correlation_id="req_test")
+        await leases.register_node(admin, "owner", "127.0.0.1:1", 60)
+        kind = leases.PLATFORM_ACCOUNTS
+        assert (await leases.acquire(admin, account["id"], "owner", kind=kind)).epoch == 1
+
+        # An advance step of the actor has passed the fence ...
+        stepping = step.transaction()
+        await stepping.start()
+        await leases.pass_fence(step, account["id"], "owner", 1, kind=kind)
+        # ... when the delete command's transaction starts (it passes the fence too) ...
+        delete = asyncio.ensure_future(_fenced_delete(deleting, account, operator_id))
+        while not await admin.fetchval("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"):
+            await asyncio.sleep(0.02)  # the delete is waiting for a lock (a precondition, not the property)
+        # ... and the step goes on to lock the root: it must get it, and both commit.
+        await step.fetchrow("SELECT id FROM platform_service_accounts WHERE id = $1 FOR NO KEY UPDATE",
+                            account["id"])
+        await stepping.commit()
+        root, _ = await asyncio.wait_for(delete, 30)
+        assert root["id"] == account["id"]
+        assert not await admin.fetchval("SELECT count(*) FROM platform_account_leases")
+    finally:
+        for conn in (admin, step, deleting):
+            await conn.close()
+
+
+async def _fenced_delete(conn: asyncpg.Connection, account, operator_id: str):
+    async with conn.transaction():
+        await leases.pass_fence(conn, account["id"], "owner", 1, kind=leases.PLATFORM_ACCOUNTS)
+        return await platform_store.delete_account(conn, account["id"], account["version"], operator_id, "req_test")

@@ -38,7 +38,7 @@ from hypothesis import strategies as st
 from client import ClientError, Connection, connect
 from server.credentials import load_or_create_signer
 from storage import leases
-from storage.bridge import IDLE_IN_TRANSACTION_MS, Database, PoolSettings
+from storage.bridge import IDLE_IN_TRANSACTION_MS, TRANSACTION_TIMEOUT_MS, Database, PoolSettings
 from storage.errors import LeaseLost
 from storage.ids import new_id
 from tests.test_operability import http_get, scrape, value
@@ -53,8 +53,10 @@ CLOSE_BOUND = 1.0  # closing a connection to a frozen node must not wait for its
 SETUP_BOUND = 60.0
 TAKEOVER_BOUND = LEASE_SECONDS + 10.0  # kill → the first commit of the dead owner's scope elsewhere
 # A node frozen inside a transaction holds its locks (the scope's lease row, the workspace's
-# message counter) until PostgreSQL ends that transaction: takeovers and other sends wait for it.
-FROZEN_TAKEOVER_BOUND = LEASE_SECONDS + IDLE_IN_TRANSACTION_MS / 1000 + 2 * CALL_BOUND + 10.0
+# message counter) until PostgreSQL ends that transaction (idle, or frozen mid-statement: the
+# whole transaction's bound): takeovers and other sends wait for it.
+FROZEN_TAKEOVER_BOUND = (LEASE_SECONDS + max(IDLE_IN_TRANSACTION_MS, TRANSACTION_TIMEOUT_MS) / 1000
+                         + 2 * CALL_BOUND + 10.0)
 RETRY_PAUSE = 0.05  # a client's pause before retrying, not a synchronisation
 
 OWNER_EMAIL = "o@example.com"

@@ -186,7 +186,7 @@ def _registry(server: Server) -> pa.PlatformRegistry:
 async def run_platform(server: Server, nursery: trio.Nursery, *,
                        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
     """Start the platform actors of the accounts no live node owns (a crash resumes from the rows;
-    then every node lease period, so a dead node's accounts move) and wake them on NOTIFY (a
+    then every third of the node lease, so a dead node's accounts move) and wake them on NOTIFY (a
     workspace created, an instance ready) from any process."""
     config = server.config
     services = pa.PlatformServices(
@@ -204,7 +204,7 @@ async def run_platform(server: Server, nursery: trio.Nursery, *,
         except DatabaseUnavailable as exc:
             log.warning("platform actors not started yet; retrying", extra={"error": str(exc)})
             await trio.sleep(1.0)
-    nursery.start_soon(_claim_periodically, server.platform, config.node_lease_seconds)
+    nursery.start_soon(_claim_periodically, server.platform, config.node_lease_seconds / 3)
     task_status.started()
     while True:
         try:
@@ -221,7 +221,7 @@ async def _claim_periodically(registry: pa.PlatformRegistry, interval_seconds: f
         await trio.sleep(interval_seconds)
         try:
             await registry.claim_unowned()
-        except DatabaseUnavailable as exc:
+        except StorageError as exc:
             log.warning("platform accounts not claimed; retrying", extra={"error": str(exc)})
 
 
@@ -240,7 +240,7 @@ async def account_create(server: Server, connection: Connection, request: p.Plat
     row = await server.db.transaction(store.create_account, name=_name(request.name),
                                       description=request.description, operator_id=_operator(ctx),
                                       correlation_id=_correlation())
-    _registry(server).wake(row["id"])
+    _registry(server).start(row["id"])
     info = account_info(row)
     publish_platform(server, "platform_service_account.created", p.PlatformAccountChanged(
         platform_service_account_id=row["id"], version=row["version"], name=row["name"]))
