@@ -28,7 +28,7 @@ from asyncpg.exceptions import TransactionRollbackError
 
 from actors.platform_delivery import PlatformDelivery
 from actors.registry import FORWARD_RETRY_FIRST_SECONDS, FORWARD_RETRY_MAX_SECONDS
-from actors.scope_actor import ActorFailed, Refused, Reply
+from actors.scope_actor import ActorFailed, Forwardable, Refused, Reply
 from domain.platform import BroadcastSnapshot, Lease, client_message_id
 from domain.plan import ActorContext
 from storage import leases
@@ -69,18 +69,8 @@ class PlatformServices:
 
 
 @dataclass
-class PlatformCommand:
+class PlatformCommand(Forwardable):
     reply: Reply = field(default_factory=Reply, init=False)
-
-    def __getstate__(self) -> dict[str, Any]:
-        # Forwarded to the owning node (server/cluster.py) without the caller's reply slot.
-        state = dict(self.__dict__)
-        del state["reply"]
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self.reply = Reply()
 
 
 @dataclass

@@ -102,17 +102,13 @@ class Reply:
         return self._value
 
 
-# --- commands ------------------------------------------------------------------------------
+class Forwardable:
+    """An actor command with a `reply` slot: forwarded to the owning node (server/cluster.py)
+    without it, and given a fresh one there."""
 
-@dataclass
-class Command:
-    actor: ActorContext
-    reply: Reply = field(default_factory=Reply, init=False)
-    # Refused unless the acting member is in the scope's roster.
-    requires_membership: ClassVar[bool] = True
+    reply: Reply
 
     def __getstate__(self) -> dict[str, Any]:
-        # Forwarded to the owning node (server/cluster.py) without the caller's reply slot.
         state = dict(self.__dict__)
         del state["reply"]
         return state
@@ -120,6 +116,16 @@ class Command:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.reply = Reply()
+
+
+# --- commands ------------------------------------------------------------------------------
+
+@dataclass
+class Command(Forwardable):
+    actor: ActorContext
+    reply: Reply = field(default_factory=Reply, init=False)
+    # Refused unless the acting member is in the scope's roster.
+    requires_membership: ClassVar[bool] = True
 
     async def prelock(self, conn: asyncpg.Connection) -> None:
         """Rows this command locks before anything else in its batch transaction: a lock that
