@@ -119,6 +119,13 @@ class ResyncOnOverflow:
         return True
 
 
+async def lift_transaction_bound(conn: asyncpg.Connection) -> None:
+    """For the rest of this transaction, no TRANSACTION_TIMEOUT_MS: one whose size grows with
+    the deployment (a migration's data step, a platform account's delete across every workspace)."""
+    if conn.get_server_version().major >= 17:
+        await conn.execute("SET LOCAL transaction_timeout = 0")
+
+
 @dataclass(frozen=True)
 class PoolSettings:
     min_size: int = 2

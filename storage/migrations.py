@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import asyncpg
 
+from storage.bridge import lift_transaction_bound
 from storage.schema import SCHEMA
 from storage.schema_dsl import Schema
 
@@ -52,9 +53,7 @@ async def migrate(conn: asyncpg.Connection, schema: Schema = SCHEMA) -> list[int
             )
         for version in schema.versions[current:]:
             async with conn.transaction():
-                if conn.get_server_version().major >= 17:
-                    # A version's data step on a large database may take longer than units of work may.
-                    await conn.execute("SET LOCAL transaction_timeout = 0")
+                await lift_transaction_bound(conn)
                 for statement in (*version.before, *schema.statements_for(version.number), *version.after):
                     await conn.execute(statement)
                 await conn.execute(

@@ -20,6 +20,7 @@ import msgspec
 from domain.platform import RETRYABLE_STATES, SETTLED_STATES, Lease
 from domain.service_accounts import normalize_name
 from storage import applier, deliveries, human_lifecycle, tenancy
+from storage.bridge import lift_transaction_bound
 from storage.errors import Conflict, NotFound
 from storage.human_lifecycle import record_audit
 from storage.ids import new_id
@@ -798,6 +799,7 @@ async def delete_account(conn: asyncpg.Connection, account_id: str, expected_ver
     in-flight workspace deliveries): audit first, then every local instance with its scope, messages and
     author member, the name, and the root (its inputs, broadcasts and deliveries cascade).  Returns the
     root and the local accounts deleted."""
+    await lift_transaction_bound(conn)
     # The account's lease row goes with it (cascade), and every fenced transaction of its actor holds
     # that row shared before it locks the root: taking it first, before the root, keeps those
     # transactions from waiting on the root while this one waits on them (a deadlock).

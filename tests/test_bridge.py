@@ -14,7 +14,8 @@ import trio
 
 from storage.cluster import ClusterSettings, PostgresCluster
 
-from storage.bridge import Database, Notification, PoolSettings, ResyncOnOverflow, _translate
+from storage.bridge import (Database, Notification, PoolSettings, ResyncOnOverflow, _translate,
+                            lift_transaction_bound)
 from storage.errors import DatabaseUnavailable
 
 
@@ -261,3 +262,9 @@ async def test_every_pooled_transaction_is_bounded_as_a_whole(db):
     idle-in-transaction timeout does not apply: the whole transaction's bound ends it."""
     assert await db.run(lambda conn: conn.fetchval("SHOW transaction_timeout")) == "1min"
     assert await db.run(lambda conn: conn.fetchval("SHOW idle_in_transaction_session_timeout")) == "15s"
+
+    async def lifted(conn) -> str:
+        await lift_transaction_bound(conn)
+        return await conn.fetchval("SHOW transaction_timeout")
+    assert await db.transaction(lifted) == "0"
+    assert await db.run(lambda conn: conn.fetchval("SHOW transaction_timeout")) == "1min"  # that transaction only
