@@ -51,6 +51,7 @@ async def test_an_account_runs_on_its_owner_and_any_node_serves_its_operators(tw
         account = await create_platform_account(creator, "News")
         await wait_ready(creator, account["id"])
     first, second = await _owner_first(two_nodes, account["id"])
+    assert first is two_nodes[0], "the node that created the account owns it"
     assert first.server.platform.active == 1 and second.server.platform.active == 0
     async with operator(second, "remote") as remote:
         # The other node forwards its operator's commands; the owner's events reach its subscription.
