@@ -30,6 +30,20 @@ class CommittedEvent:
     frames: dict[bool, bytes] = field(default_factory=dict, compare=False, repr=False)
 
 
+class Roster(frozenset):
+    """The members entitled to a scope's events, as of the scope's `roster_generation`
+    (None: not the scope's own roster; a task's is its board channel's readers).  Other
+    nodes cache a scope's public readers by that generation rather than ask per event."""
+
+    __slots__ = ("generation",)
+    generation: int | None
+
+    def __new__(cls, members=(), generation: int | None = None) -> Roster:
+        roster = super().__new__(cls, members)
+        roster.generation = generation
+        return roster
+
+
 class Sink(Protocol):
     """The receiving end of a subscription.  Every method is synchronous and
     must not block: the hub calls them from the committing actor's task."""

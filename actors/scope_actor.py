@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 import asyncpg
 import trio
 
-from actors.fanout import CommittedEvent, FanoutHub
+from actors.fanout import CommittedEvent, FanoutHub, Roster
 from domain.plan import (
     ActorContext,
     ChannelProfile,
@@ -271,10 +271,10 @@ class ScopeActor:
         self._roster_dirty = False
         # Private authority (grants, collaborators) changed here: reloaded after commit.
         self._authority_dirty = False
-        self._roster_set: frozenset[str] = frozenset()
+        self._roster_set: Roster = Roster()
         # Who receives every event (public members) and who receives only what the
         # readable predicate lets them (private agents), rebuilt with the roster.
-        self._public_set: frozenset[str] = frozenset()
+        self._public_set: Roster = Roster()
         self._private_readers: tuple[RosterEntry, ...] = ()
         self._private_by_id: dict[str, RosterEntry] = {}
         # Members whose notification state here is auto-wake (routing.auto_wake).
@@ -500,11 +500,13 @@ class ScopeActor:
         self.state, self.parent, self.authority = view.state, view.parent, view.authority
         self.strand = view.strand
         roster = self.state.roster if self.state else {}
-        self._roster_set = frozenset(roster)
+        # A task's roster is its board channel's readers: its own generation does not name it.
+        generation = self.state.roster_generation if self.state and self.state.type != "task" else None
+        self._roster_set = Roster(roster, generation)
         self._private_readers = tuple(e for e in roster.values() if e.visibility == "private")
         self._private_by_id = {e.member_id: e for e in self._private_readers}
         self._auto_wake = [e for e in roster.values() if e.notification_state == "auto-wake"]
-        self._public_set = (frozenset(m for m, e in roster.items() if e.visibility == "public")
+        self._public_set = (Roster((m for m, e in roster.items() if e.visibility == "public"), generation)
                             if self._private_readers else self._roster_set)
 
     async def _refresh_parent(self, conn: asyncpg.Connection) -> None:
@@ -1260,6 +1262,16 @@ class MessageAudience:
                  reads: Callable[[RosterEntry], bool]) -> None:
         self.public, self._private, self._reads = public, private, reads
         self._decided: dict[str, bool] = {}
+
+    @property
+    def generation(self) -> int | None:
+        return self.public.generation if isinstance(self.public, Roster) else None
+
+    def private_readers(self, limit: int) -> list[str] | None:
+        """The private members entitled to it (None: more than `limit` private members)."""
+        if len(self._private) > limit:
+            return None
+        return sorted(member_id for member_id in self._private if member_id in self)
 
     def __contains__(self, member_id: object) -> bool:
         if member_id in self.public:

@@ -46,7 +46,7 @@ from cryptography.hazmat.primitives import serialization
 from actors.platform_account import PlatformCommand
 from actors.scope_actor import ActorFailed, ActorUnavailable, Command
 from server.bus import BusTransport, Delivery, PgNotifyTransport
-from server.cluster_fanout import TICK, RemoteFanout, encode, encode_feeds
+from server.cluster_fanout import TICK, RemoteFanout, UnreadableBusPayload, encode, encode_feeds
 from storage import cluster_bus, leases
 from storage.bridge import Database
 from storage.errors import DatabaseUnavailable, LeaseLost
@@ -581,6 +581,8 @@ class ClusterNode(NodeLease):
                 await self.remote.deliver(payloads)
             except DatabaseUnavailable:
                 self._resync("database unavailable while delivering bus messages")
+            except UnreadableBusPayload as exc:
+                self._resync(str(exc))
             except Exception:  # noqa: BLE001 - one bad message must not stop the node
                 log.exception("bus messages could not be delivered")
                 self._resync("bus messages could not be delivered")

@@ -109,6 +109,15 @@ def _forwarded(cluster) -> Metric:
     return family
 
 
+def _bus_reads(remote) -> Metric:
+    family = CounterMetricFamily("scopewire_bus_database_reads", "Database reads for other nodes' publications: "
+                                 "scopes' public readers (once per roster generation), or the log and audiences",
+                                 labels=["what"])
+    family.add_metric(["roster"], remote.roster_reads)
+    family.add_metric(["log"], remote.log_reads)
+    return family
+
+
 def _gauge(name: str, documentation: str, value: float | None, labels: list[str] | None = None,
            samples: list[tuple[list[str], float]] | None = None) -> Iterator[Metric]:
     family = GaugeMetricFamily(name, documentation, value=None if labels else value, labels=labels)
@@ -178,6 +187,7 @@ class _ServerCollector(Collector):
                                   value=cluster.bus_dropped)
         yield CounterMetricFamily("scopewire_bus_resyncs", "Times every local subscriber replayed from its "
                                   "cursors because bus messages were lost", value=cluster.bus_resyncs)
+        yield _bus_reads(cluster.remote)
         yield CounterMetricFamily("scopewire_slow_consumer_closes", "Connections closed with 4408 slow_consumer",
                                   value=metrics.slow_consumer_closes)
 

@@ -27,22 +27,30 @@ def _inline(node_id: str, bus_seq: int, payload: bytes) -> str | None:
 
 
 async def notify(conn: asyncpg.Connection, node_id: str, first_seq: int, payloads: list[bytes]) -> None:
-    """Send `payloads` in order, numbered from `first_seq`, in one transaction."""
+    """Send `payloads` in order, numbered from `first_seq`: one statement, so one
+    transaction without a BEGIN and COMMIT round trip each."""
     texts: list[str] = []
-    spilled: list[tuple[str, int, bytes]] = []
+    spilled_seqs: list[int] = []
+    spilled_payloads: list[bytes] = []
     for offset, payload in enumerate(payloads):
         seq = first_seq + offset
         text = _inline(node_id, seq, payload)
         if text is None:
-            spilled.append((node_id, seq, payload))
+            spilled_seqs.append(seq)
+            spilled_payloads.append(payload)
             text = f"{node_id}:{seq}:{SPILLED}"
         texts.append(text)
-    async with conn.transaction():
-        if spilled:
-            await conn.executemany("INSERT INTO cluster_bus_spill (node_id, bus_seq, payload) VALUES ($1, $2, $3)",
-                                   spilled)
+    if not spilled_seqs:
         # unnest yields the array in order, and the notifications queue in that order.
         await conn.execute("SELECT count(pg_notify($1, t)) FROM unnest($2::text[]) AS t", CHANNEL, texts)
+        return
+    # The spilled rows commit with the notifications (a data-modifying WITH always runs), so
+    # they are there when the notifications arrive.
+    await conn.execute(
+        "WITH spill AS (INSERT INTO cluster_bus_spill (node_id, bus_seq, payload) "
+        "SELECT $3, s, p FROM unnest($4::bigint[], $5::bytea[]) AS u(s, p)) "
+        "SELECT count(pg_notify($1, t)) FROM unnest($2::text[]) AS t",
+        CHANNEL, texts, node_id, spilled_seqs, spilled_payloads)
 
 
 def parse(text: str, skip_from: str | None = None) -> tuple[str, int, bytes | None]:

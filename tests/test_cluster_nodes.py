@@ -16,15 +16,18 @@ import pytest
 import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from actors.fanout import CommittedEvent, Roster
 from actors.scope_actor import Send
 from client.trio_client import Connection
 from domain.plan import ActorContext, MessageIntent
 from protocol import guide
 from server.app import Server
+from server import cluster_fanout
 from server.auth import Authenticator
 from server.cluster import NONCE_BYTES, _dumps, _Framed, _loads, _proof, _read_exact, _session_key
 from server.config import ServerConfig
 from server.credentials import SessionSigner
+from storage import messages
 from storage.bridge import Database
 from tests.conftest import App, Person, Tenant, add_person
 from tests.test_bus import nats_server  # noqa: F401  (a fixture)
@@ -76,6 +79,15 @@ def alpha(tenants) -> Tenant:
     return tenants[0]
 
 
+@pytest.fixture(params=["listed", "by_generation"])
+def roster_travel(request, monkeypatch) -> str:
+    """How a new message's readers travel: its roster listed, or (every roster counting as
+    large) as the scope's roster generation plus the private members that may read it."""
+    if request.param == "by_generation":
+        monkeypatch.setattr(cluster_fanout, "MAX_EXPLICIT_AUDIENCE", 0)
+    return request.param
+
+
 @dataclass
 class Following:
     """The workspace owner, signed in on one node, and bob, signed in on another and
@@ -113,7 +125,8 @@ async def _lease(app: App, scope_id: str):
                                                        scope_id))
 
 
-async def test_a_send_through_any_node_reaches_subscribers_on_every_node(nodes, alpha, member_password_hash):
+async def test_a_send_through_any_node_reaches_subscribers_on_every_node(nodes, alpha, member_password_hash,
+                                                                        roster_travel):
     first, second, third = nodes
     async with bob_following(first, second, alpha, "live", member_password_hash) as live, \
             await signed_in(third, alpha.owner) as other_sender, await signed_in(third, live.bob) as feed:
@@ -158,7 +171,8 @@ async def test_forwarded_commands_answer_as_the_owner_would(nodes, alpha, member
     assert second.server.cluster.forwarded_out >= 4
 
 
-async def test_a_private_agent_on_another_node_gets_only_what_it_may_read(nodes, alpha, member_password_hash):
+async def test_a_private_agent_on_another_node_gets_only_what_it_may_read(nodes, alpha, member_password_hash,
+                                                                         roster_travel):
     ws = {"workspace_id": alpha.workspace_id}
     first, second, third = nodes
     bob = await add_person(first.db, alpha.workspace_id, "bob@example.com", "developer", member_password_hash)
@@ -175,6 +189,42 @@ async def test_a_private_agent_on_another_node_gets_only_what_it_may_read(nodes,
                 while not received or received[-1].get("data", {}).get("content") != "from the owner":
                     received.append(await scout.next_event())
     assert [(e["event"], e["data"].get("content")) for e in received] == [("message.created", "from the owner")]
+
+
+async def test_new_messages_travel_whole_and_a_roster_is_read_once_per_generation(
+        nodes, alpha, member_password_hash, monkeypatch):
+    monkeypatch.setattr(cluster_fanout, "MAX_EXPLICIT_AUDIENCE", 0)  # every roster travels as its generation
+    first, second, _ = nodes
+    remote = second.server.cluster.remote
+    carol = await add_person(first.db, alpha.workspace_id, "carol@example.com", "developer", member_password_hash)
+    async with bob_following(first, second, alpha, "big", member_password_hash) as big, \
+            await signed_in(second, carol) as c:
+        for i in range(3):
+            await big.send(f"m{i}")
+        assert [e["data"]["content"] for e in await events_for(big.listener, 3)] == ["m0", "m1", "m2"]
+        assert (remote.roster_reads, remote.log_reads) == (1, 0)
+        await big.owner.call("scope.invite", scope_id=big.channel_id, member_ids=[carol.member_id], **big.ws)
+        await c.call("subscribe", scopes=[{"scope_id": big.channel_id}], **big.ws)
+        await big.send("after the invite")
+        for listener in (big.listener, c):
+            assert [e["data"]["content"] for e in await events_for(listener, 1)] == ["after the invite"]
+        assert remote.roster_reads == 2
+        logged = remote.log_reads  # the invite's membership event asked who of bob and carol reads
+        # Too big to travel whole: read from the log, in order with the one that travels whole.
+        await big.send("y" * 5_000)
+        await big.send("small")
+        received = await events_for(big.listener, 2)
+        assert [e["data"]["content"] for e in received] == ["y" * 5_000, "small"]
+        assert [e["seq"] for e in received] == [5, 6]
+        assert (remote.roster_reads, remote.log_reads) == (2, logged + 1)
+        # One whose roster moved on before it arrived (here: named by an older generation) is read from the log.
+        row = await first.db.run(lambda conn: conn.fetchrow(
+            "SELECT m.*, s.roster_generation FROM scope_messages m JOIN scopes s ON s.id = m.scope_id "
+            "WHERE m.scope_id = $1 AND m.seq = 6", big.channel_id))
+        stale = CommittedEvent("message.created", alpha.workspace_id, big.channel_id, 6, row["workspace_global_seq"],
+                               messages.committed_from_row(row))
+        await remote.deliver([cluster_fanout.encode([(stale, Roster({"x"}, row["roster_generation"] - 1))])])
+        assert (remote.roster_reads, remote.log_reads) == (2, logged + 2)
 
 
 async def test_a_lost_bus_message_loses_no_message(nodes, alpha, member_password_hash):
@@ -297,6 +347,7 @@ async def test_foreign_bus_messages_are_ignored(nodes, alpha, member_password_ha
         with trio.fail_after(20):
             first_event = await after.listener.next_event()
     assert (first_event["event"], first_event["data"]["content"]) == ("message.created", "real")
+    assert second.server.cluster.bus_resyncs == 1
 
 
 async def test_a_lone_node_publishes_nothing_on_the_bus(database_dsn, nursery, alpha):

@@ -43,7 +43,7 @@ from storage.visibility.predicate import (
 __all__ = [
     "ENTITLED_MEMBERSHIPS", "INBOX_MEMBERSHIPS", "entitled_for_message", "entitled_roster", "explain_message", "fetch_custom_plan",
     "followers_entitled",
-    "message_readable_sql", "message_visibility_sql", "ReaderWindows", "private_reader_windows", "quoted_sources_sql", "readable_join", "readable_scope_sets", "roster_entries", "scope_authority",
+    "message_readable_sql", "message_visibility_sql", "ReaderWindows", "private_reader_windows", "public_rosters", "quoted_sources_sql", "readable_join", "readable_scope_sets", "roster_entries", "scope_authority",
     "scope_members", "scope_readable_sql", "typing_audience", "viewer_membership",
 ]
 
@@ -69,6 +69,18 @@ async def entitled_roster(conn: asyncpg.Connection, scope_id: str) -> frozenset[
     if not rows and await _is_task(conn, scope_id):  # a task has no entitled rows of its own
         return await tasks.task_readers(conn, scope_id)
     return frozenset(r["member_id"] for r in rows)
+
+
+async def public_rosters(conn: asyncpg.Connection, scope_ids: list[str]) -> dict[str, tuple[int, frozenset[str]]]:
+    """Each scope's roster generation with its public members (a task has none of its
+    own: left out), in one statement so that both come from one snapshot."""
+    rows = await conn.fetch(
+        f"SELECT s.id, s.roster_generation, array(SELECT r.member_id FROM {ENTITLED_MEMBERSHIPS} r "
+        f"WHERE r.scope_id = s.id AND r.visibility = 'public') AS members "
+        f"FROM scopes s WHERE s.id = ANY($1::text[]) AND s.type <> 'task'",
+        scope_ids,
+    )
+    return {r["id"]: (r["roster_generation"], frozenset(r["members"])) for r in rows}
 
 
 async def roster_entries(conn: asyncpg.Connection, scope_id: str) -> dict[str, RosterEntry]:
