@@ -119,6 +119,10 @@ class FanoutHub:
     def publish(self, event: CommittedEvent, roster: frozenset[str] | set[str] | None = None) -> None:
         self.publish_many([(event, roster)])
 
+    def followed(self, workspace_id: str, scope_id: str) -> bool:
+        """Whether anyone here follows the scope or its workspace."""
+        return bool(self._by_scope.get(scope_id) or self._by_workspace.get(workspace_id))
+
     def followers(self, workspace_id: str, scope_id: str) -> set[str]:
         """The members following the scope, or its workspace, here."""
         found = {s.member_id for s in self._by_scope.get(scope_id, ())}

@@ -218,9 +218,6 @@ class RemoteFanout:
         self.roster_reads = 0
         self.log_reads = 0
 
-    def _followers(self, workspace_id: str, scope_id: str) -> list[str]:
-        return sorted(self.server.hub.followers(workspace_id, scope_id))
-
     def _public_at(self, scope_id: str, generation: int | None) -> frozenset[str] | None:
         known = self._public.get(scope_id)
         if known is None or known[0] != generation:
@@ -260,15 +257,9 @@ class RemoteFanout:
         woken = [tuple(feed) for item in decoded if isinstance(item, FeedsItem) for feed in item.feeds]
         if woken:
             self.server.deliveries.wake(woken)
-        followers: dict[str, list[str]] = {}
-        items: list[Item] = []
-        for item in decoded:
-            if isinstance(item, FeedsItem):
-                continue
-            if item.scope_id not in followers:
-                followers[item.scope_id] = self._followers(item.workspace_id, item.scope_id)
-            if followers[item.scope_id]:
-                items.append(item)
+        hub = self.server.hub
+        items = [item for item in decoded
+                 if not isinstance(item, FeedsItem) and hub.followed(item.workspace_id, item.scope_id)]
         await self._learn_public_rosters(items)
         for index, item in enumerate(items):
             if isinstance(item, MessageItem) and not self._knows(item):
@@ -287,8 +278,10 @@ class RemoteFanout:
                     need_readers.add(item.scope_id)
                 if item.message_id is not None:
                     about[item.scope_id].add(item.message_id)
-        asks = [(scope_id, *ranges.get(scope_id, (1, 0)), followers[scope_id], scope_id in need_readers,
-                 sorted(about.get(scope_id, ()))) for scope_id in sorted(set(ranges) | need_readers | set(about))]
+        workspaces = {item.scope_id: item.workspace_id for item in items}
+        asks = [(scope_id, *ranges.get(scope_id, (1, 0)), sorted(hub.followers(workspaces[scope_id], scope_id)),
+                 scope_id in need_readers, sorted(about.get(scope_id, ())))
+                for scope_id in sorted(set(ranges) | need_readers | set(about))]
         answers = {}
         if asks:
             self.log_reads += 1
@@ -303,8 +296,11 @@ class RemoteFanout:
         """The event an item stands for, with who may have it (None: nothing to publish)."""
         rows, readers, by_message = answers.get(item.scope_id, ({}, frozenset(), {}))
         if isinstance(item, MessageItem):
-            entitled = (frozenset(item.members) if item.members is not None else _PublicAndPrivate(
-                self._public[item.scope_id][1], frozenset(item.private)))
+            if item.members is not None:
+                entitled = frozenset(item.members)
+            else:
+                public = self._public[item.scope_id][1]
+                entitled = _PublicAndPrivate(public, frozenset(item.private)) if item.private else public
             return CommittedEvent(MESSAGE_CREATED, item.workspace_id, item.scope_id, item.seq, item.global_seq,
                                   _message_decoder.decode(item.message)), entitled
         if isinstance(item, CursorItem):

@@ -97,6 +97,25 @@ async def test_a_dead_owners_account_moves_and_its_stale_actor_commits_nothing(t
     await _delivered_once_everywhere(second, tenants, account["id"], ["after the takeover"])
 
 
+async def test_a_dead_owners_account_is_claimed_by_the_periodic_pass_without_a_command(database_dsn, nursery,
+                                                                                      tenants):
+    nodes = Nodes(nursery, database_dsn)
+    (first,) = await nodes.start(1)
+    # The survivor's periodic pass runs every third of its node lease: each second here.
+    first, second = await nodes.start(1, node_lease_seconds=3.0)
+    async with operator(first, "creator") as creator:
+        account = await create_platform_account(creator, "News")
+        await wait_ready(creator, account["id"])
+    assert (await _lease(first, account["id"]))["node_id"] == first.server.node_id
+    await first.db.run(lambda conn: conn.execute(
+        "UPDATE cluster_nodes SET heartbeat_at = now() - interval '2 seconds', "
+        "lease_expires_at = now() - interval '1 second' WHERE node_id = $1", first.server.node_id))
+    with trio.fail_after(10):
+        while await _lease(second, account["id"]) != (second.server.node_id, 2):
+            await trio.sleep(0.1)
+    assert second.server.platform.active == 1
+
+
 async def test_the_platform_fence_refuses_a_former_owner(db, tenants):
     operator_id, _, _ = await create_operator(db, "ops")
     account = await db.transaction(platform_store.create_account, name="Fenced", description="",
