@@ -76,6 +76,10 @@ class ScopeRegistry:
         self.hub = hub
         self._nursery = nursery
         self._actors: dict[str, ScopeActor] = {}
+        # Set by drain(): no command starts here any more.
+        self.draining = False
+        self._supervising = 0
+        self._all_stopped = trio.Event()
         self.idle_seconds = idle_seconds
         self.outbox_wake = outbox_wake
         # Bounds a caller's whole wait: for mailbox room and for the reply.
@@ -88,6 +92,9 @@ class ScopeRegistry:
         actor = ScopeActor(scope_id, self.db, self.hub, self.outbox_wake, self.idle_seconds, self.mailbox_size,
                            self.on_commit, self.offer_deliveries, clock=lambda: self.clock(), lease=lease)
         self._actors[scope_id] = actor
+        self._supervising += 1
+        if self.draining:
+            actor.mailbox.close()  # started by an acquisition that was under way: it only gives the scope back
         self._context.run(self._nursery.start_soon, self._supervise, actor)
         return actor
 
@@ -96,6 +103,10 @@ class ScopeRegistry:
         free), or the node that owns it.  A forwarded command never goes further: a node
         that does not own the scope answers LeaseLost and the sender looks again."""
         while True:
+            if self.draining:
+                if forwarded:  # the sender looks for the next owner, which takes the scope once we let it go
+                    raise LeaseLost(f"node {self.ownership.node_id if self.ownership else ''} is shutting down")
+                raise ActorUnavailable("this node is shutting down; retry")
             actor = self._actors.get(scope_id)
             if actor is not None and not actor.stopped:
                 return actor
@@ -131,12 +142,29 @@ class ScopeRegistry:
         finally:
             if self._actors.get(actor.scope_id) is actor:
                 del self._actors[actor.scope_id]
-        if actor.lease is not None and actor.lease_lost is None and self.ownership is not None:
-            # Idle: give the scope back at once, so another node need not wait for our lease to run out.
-            try:
-                await self.ownership.release(actor.scope_id, actor.lease[1])
-            except DatabaseUnavailable:
-                pass  # it stays ours until this node's lease runs out
+        try:
+            if actor.lease is not None and actor.lease_lost is None and self.ownership is not None:
+                # Idle: give the scope back at once, so another node need not wait for our lease to run out.
+                try:
+                    await self.ownership.release(actor.scope_id, actor.lease[1])
+                except DatabaseUnavailable:
+                    pass  # it stays ours until this node's lease runs out
+        finally:
+            self._supervising -= 1
+            if not self._supervising:
+                self._all_stopped.set()
+
+    async def drain(self) -> None:
+        """A clean shutdown's first step: no command starts here any more (a forwarded one
+        goes back to its sender, which finds the next owner; a local one answers
+        unavailable), the commands already queued finish, and every actor stops and
+        gives its scope back.  The caller bounds the wait."""
+        self.draining = True
+        for actor in list(self._actors.values()):
+            actor.mailbox.close()
+        if self._supervising:
+            self._all_stopped = trio.Event()
+            await self._all_stopped.wait()
 
     async def submit(self, scope_id: str, command: Command, *, forwarded: bool = False) -> Any:
         """Hand `command` to the scope's actor and wait for its reply.  The

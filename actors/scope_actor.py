@@ -310,22 +310,25 @@ class ScopeActor:
                 if pending is not None or self._unsettled:
                     try:
                         first = self._inbox.receive_nowait()
-                    except trio.WouldBlock:
+                    except (trio.WouldBlock, trio.EndOfChannel):
                         if pending is not None:
                             self._publish(pending)
                             pending = None
                             continue
                         await self._settle()
                 if first is None:
-                    with trio.move_on_after(self.idle_seconds):
-                        first = await self._inbox.receive()
+                    try:
+                        with trio.move_on_after(self.idle_seconds):
+                            first = await self._inbox.receive()
+                    except trio.EndOfChannel:
+                        pass  # the mailbox was closed (the node drains): what it held is done
                 if first is None:
                     return
                 batch = [first]
                 while len(batch) < MAX_BATCH:
                     try:
                         batch.append(self._inbox.receive_nowait())
-                    except trio.WouldBlock:
+                    except (trio.WouldBlock, trio.EndOfChannel):
                         break
                 previous, pending = pending, None
                 try:

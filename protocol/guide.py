@@ -99,6 +99,7 @@ NODES = (
     "command for a scope (or a platform op for a platform account) whose owning node has died answers "
     "`unavailable` (retry: a message.send with the same client_message_id, a platform.broadcast.create with the "
     "same client_broadcast_id, is stored at most once) until another node takes it over, at most the "
-    "deployment's node lease (default 10 s) after the last renewal. Platform operators may connect to any node "
+    "deployment's node lease (default 10 s) after the last renewal; a node that shuts down cleanly hands its "
+    "scopes' commands over instead, so they are answered as usual. Platform operators may connect to any node "
     "too: their ops and platform events are the same everywhere."
 )

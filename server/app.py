@@ -212,9 +212,33 @@ class Server:
         return self._edition
 
     async def run(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
-        """Serve until cancelled; then close every connection (1001, bounded by
-        the shutdown grace), then stop the actors."""
+        """Serve until cancelled; then close every connection (1001, bounded by the
+        shutdown grace), let the scope actors finish what they hold (commands other
+        nodes forwarded here among them; bounded by the grace too), then stop them."""
         warn_if_descriptors_short(self.config.max_connections)
+        stop = trio.Event()
+        # Cancelling run() must not reach the services at once: connections still run their
+        # closing handshakes and actors their queued commands.  So they are shielded, and a
+        # sentinel outside turns the cancellation into a stop request (or, while still
+        # starting, cancels them).
+        services = trio.CancelScope(shield=True)
+        async with trio.open_nursery() as outer:
+            outer.start_soon(self._stop_when_cancelled, stop, services)
+            try:
+                with services:
+                    await self._run_services(stop, task_status)
+            finally:
+                outer.cancel_scope.cancel()
+
+    async def _stop_when_cancelled(self, stop: trio.Event, services: trio.CancelScope) -> None:
+        try:
+            await trio.sleep_forever()
+        finally:
+            stop.set()
+            if not self.accepting:  # not serving (yet): nothing to close or drain
+                services.cancel()
+
+    async def _run_services(self, stop: trio.Event, task_status: trio.TaskStatus[int]) -> None:
         async with trio.open_nursery() as actors_nursery:
             self.outbox = OutboxWorker(self.db, self.hub, self.deliveries)
             outbox = self.outbox
@@ -231,14 +255,11 @@ class Server:
             await actors_nursery.start(run_service_account_maintenance, self)
             await actors_nursery.start(run_platform, self, actors_nursery)
             await actors_nursery.start(self.attachments.run_collector, self)
-            # Cancelling run() must not reach the connection tasks at once: they
-            # still run the closing handshakes.  So the serving part is shielded,
-            # and a sentinel task turns the cancellation into a stop request.
-            stop = trio.Event()
-            actors_nursery.start_soon(_set_when_cancelled, stop)
             try:
-                with trio.CancelScope(shield=True):
-                    await self._serve(stop, task_status=task_status)
+                await self._serve(stop, task_status=task_status)
+                with trio.move_on_after(self.config.shutdown_grace_seconds):
+                    await self.registry.drain()
+                    await self.cluster.close_links()
             finally:
                 actors_nursery.cancel_scope.cancel()
 
@@ -626,10 +647,3 @@ class Server:
             connection.ws.close_soon(code, reason)
         for connection, _ in targets:
             await connection.ws.wait_closed()
-
-
-async def _set_when_cancelled(event: trio.Event) -> None:
-    try:
-        await trio.sleep_forever()
-    finally:
-        event.set()

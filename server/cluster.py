@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import builtins
+import contextlib
 import dataclasses
 import datetime
 import decimal
@@ -66,6 +67,9 @@ ACQUIRE_LOCK_TIMEOUT_MS = 2_000
 BUS_QUEUE_LIMIT = 10_000
 SPILL_RETENTION_SECONDS = 300.0
 MAINTENANCE_SECONDS = 60.0
+# A node's last frame on a link it serves: the requests it has not answered were not run
+# (request ids start at 1).
+LINK_CLOSING = (0, False, None)
 # Nodes gone this long are deleted (their leases were free long before).
 FORGET_NODES_AFTER_SECONDS = 24 * 3600.0
 # What a forwarded frame may name: the plain value types, and this project's data classes
@@ -247,9 +251,13 @@ class _PeerLink:
         raise value
 
     async def _read_replies(self, framed: _Framed) -> None:
+        unread = False
         try:
             while True:
                 request_id, ok, value = _loads(await framed.receive())
+                if (request_id, ok, value) == LINK_CLOSING:
+                    unread = True
+                    return
                 waiter = self._pending.get(request_id)
                 if waiter is not None:
                     waiter[1].append((ok, value))
@@ -259,17 +267,19 @@ class _PeerLink:
         except Exception as exc:  # noqa: BLE001 - an unreadable reply: the link is useless
             log.error("unreadable frame on a node link", extra={"peer": self.address, "error": repr(exc)})
         finally:
-            self._fail(framed)
+            self._fail(framed, unread=unread)
 
-    def _fail(self, framed: _Framed) -> None:
-        """The link is gone: a command already handed over may or may not have committed."""
+    def _fail(self, framed: _Framed, *, unread: bool = False) -> None:
+        """The link is gone: a command already handed over may or may not have committed —
+        unless the peer said it read none of them (`unread`: they run at the next owner)."""
         if self.framed is framed:
             self.framed = None
         self.broken = True
         for done, slot in list(self._pending.values()):
             if not done.is_set():
-                slot.append((False, ActorUnavailable("the owning node went away; the command may have "
-                                                     "committed: retry with the same client id")))
+                slot.append((False, LeaseLost("the owning node shut down before running it") if unread else
+                             ActorUnavailable("the owning node went away; the command may have "
+                                              "committed: retry with the same client id")))
                 done.set()
         self._pending.clear()
 
@@ -337,6 +347,8 @@ class ClusterNode(NodeLease):
         self.bus_sender = f"{self.node_id}.{secrets.token_hex(4)}"
         self.transport: BusTransport | None = None
         self.remote = RemoteFanout(server)
+        # Links peers opened to us: (the cancel scope of their reading, set once closed).
+        self._served_links: list[tuple[trio.CancelScope, trio.Event]] = []
         self._links: dict[str, _PeerLink] = {}
         self._spawn: Callable[..., Any] | None = None
         self._bus_queue: list[bytes] = []
@@ -456,17 +468,37 @@ class ClusterNode(NodeLease):
             await stream.aclose()
             return
         framed = _Framed(stream, _session_key(self.key, server_nonce, client_nonce), outgoing=1)
-        async with trio.open_nursery() as requests:
-            try:
-                while True:
-                    request_id, scope_id, command = _loads(await framed.receive())
-                    requests.start_soon(self._run_forwarded, framed, request_id, scope_id, command)
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-                log.info("peer link closed", extra={"why": str(exc)})
-            except Exception as exc:  # noqa: BLE001 - an authenticated peer sent what we cannot read: drop the link
-                log.error("unreadable frame on a node link", extra={"error": repr(exc)})
-            finally:
-                await stream.aclose()
+        reading, closed = trio.CancelScope(), trio.Event()
+        self._served_links.append((reading, closed))
+        try:
+            async with trio.open_nursery() as requests:
+                with reading:
+                    try:
+                        while True:
+                            request_id, scope_id, command = _loads(await framed.receive())
+                            requests.start_soon(self._run_forwarded, framed, request_id, scope_id, command)
+                    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                        log.info("peer link closed", extra={"why": str(exc)})
+                    except Exception as exc:  # noqa: BLE001 - an authenticated peer sent what we cannot read
+                        log.error("unreadable frame on a node link", extra={"error": repr(exc)})
+            # Every request read here is answered by now.  Shutting down, say so: whatever the
+            # peer sent after is unread, so it may run it elsewhere.
+            if reading.cancel_called:
+                with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                    await framed.send(_dumps(LINK_CLOSING))
+        finally:
+            await stream.aclose()
+            self._served_links.remove((reading, closed))
+            closed.set()
+
+    async def close_links(self) -> None:
+        """A clean shutdown, once the scope actors drained: answer the forwarded commands
+        under way, tell each peer that the rest were not run here, and close the links."""
+        links = list(self._served_links)
+        for reading, _ in links:
+            reading.cancel()
+        for _, closed in links:
+            await closed.wait()
 
     async def _run_forwarded(self, framed: _Framed, request_id: int, scope_id: str,
                              command: Command | PlatformCommand) -> None:

@@ -6,6 +6,7 @@ tests/test_cluster_processes.py."""
 from __future__ import annotations
 
 import base64
+from collections import Counter
 import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -18,7 +19,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from actors.fanout import CommittedEvent, Roster
 from actors.scope_actor import Send
-from client.trio_client import Connection
+from client.trio_client import ClientError, Connection
 from domain.plan import ActorContext, MessageIntent
 from protocol import guide
 from server.app import Server
@@ -280,6 +281,40 @@ async def test_a_clean_shutdown_hands_the_scopes_over_at_once(database_dsn, nurs
         sent = await on_second.call("message.send", scope_id=channel["id"], content="after", **ws)
     assert sent["seq"] == 1
     assert await _lease(second, channel["id"]) == ("node-1", 2)
+
+
+async def test_sends_forwarded_to_an_owner_that_shuts_down_are_all_answered_and_stored_once(database_dsn, nursery,
+                                                                                            alpha):
+    """The owner's clean shutdown finishes the commands it holds and sends new ones back: a
+    client on another node sees every send succeed (none `unavailable`), each stored once."""
+    ws = {"workspace_id": alpha.workspace_id}
+    cluster = Nodes(nursery, database_dsn)
+    first, second = await cluster.start(2)
+    async with await signed_in(first, alpha.owner) as on_first:
+        channel = await open_channel(on_first, alpha.workspace_id, "draining")
+    outcomes: list[str] = []
+
+    async def sender(index: int) -> None:
+        async with await signed_in(second, alpha.owner) as conn:
+            for number in range(30):
+                try:
+                    await conn.call("message.send", scope_id=channel["id"], content=f"{index}-{number}",
+                                    client_message_id=f"c-{index}-{number}", **ws)
+                    outcomes.append("ok")
+                except ClientError as exc:
+                    outcomes.append(exc.code)
+                if index == 0 and number == 5:
+                    cluster.stops[0].cancel()  # the owner shuts down while the others keep sending
+
+    async with trio.open_nursery() as senders:
+        for index in range(6):
+            senders.start_soon(sender, index)
+    assert Counter(outcomes) == {"ok": 180}
+    stored = await second.db.run(lambda conn: conn.fetch(
+        "SELECT seq, content FROM scope_messages WHERE scope_id = $1 ORDER BY seq", channel["id"]))
+    assert [row["seq"] for row in stored] == list(range(1, 181))
+    assert sorted(row["content"] for row in stored) == sorted(f"{i}-{n}" for i in range(6) for n in range(30))
+    assert (await _lease(second, channel["id"]))["node_id"] == "node-1"
 
 
 async def test_a_client_resumes_against_another_node(nodes, alpha, member_password_hash):

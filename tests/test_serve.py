@@ -34,7 +34,11 @@ def data_dir() -> Iterator[Path]:
     # A failed test must not leave a server (and its postgres) behind.
     while _started:
         process = _started.pop()
-        if process.returncode is None:
+        try:
+            running = process.returncode is None
+        except RuntimeError:  # it exited: trio would close its pidfd, which needs async context
+            running = False
+        if running:
             process.kill()
     shutil.rmtree(path, ignore_errors=True)
 
