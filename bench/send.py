@@ -15,6 +15,11 @@ amortization, so the targets are evaluated on the durable cluster):
                            one-message batch does: execution-state FOR SHARE check,
                            plan_message (ScopeContext loaded once, no mentions),
                            applier.insert_messages (no settle transaction).
+                 limit     the PostgreSQL limit, run after the actor in each repeat: the same
+                           rows written by the actor's statements (applier.insert_messages, the
+                           previous batch's outbox marks riding along) in batches of the size the
+                           actor just used, one transaction after the other, every plan made
+                           before the clock starts.  Goal: actor / limit >= 0.6.
                A fresh scope per run (and a separate warmup scope, warmed untimed first);
                after each run the scope's seqs are checked to be exactly 1..N, gap-free.
                Target: actor / baseline >= 3.
@@ -73,7 +78,7 @@ import asyncpg  # noqa: E402
 import trio  # noqa: E402
 
 from actors.fanout import FanoutHub  # noqa: E402
-from domain.plan import ActorContext, CommittedMessage, MessageIntent, ScopeContext  # noqa: E402
+from domain.plan import ActorContext, CommittedMessage, MessageIntent, MessagePlan, ScopeContext  # noqa: E402
 from actors.planner import plan_message  # noqa: E402
 from actors.registry import ScopeRegistry  # noqa: E402
 from server.cluster import NodeLease  # noqa: E402
@@ -90,6 +95,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUTPUT = ROOT / "bench" / "results" / "send.json"
 BENCH_DATABASE = "scopewire_bench"
 SIDES = ("baseline", "actor")
+LIMIT_TARGET = 0.6  # actor ÷ PostgreSQL limit (the same rows in the actor's batch size, nothing else)
 SETTINGS = ("throwaway", "durable")
 PG_SETTINGS = ("fsync", "synchronous_commit", "full_page_writes", "wal_sync_method", "commit_delay",
                "shared_buffers", "max_connections")
@@ -426,8 +432,33 @@ async def _drive(n: int, senders: int, send: Callable[[int], Awaitable[Any]]) ->
     return done
 
 
+async def _limit_unit(conn: asyncpg.Connection, scope: ScopeContext, plans: list[MessagePlan],
+                      settling: list[str]) -> list[str]:
+    """The PostgreSQL limit: one batch's rows written by the statements the actor's batch
+    uses (multi-row, one transaction), the previous batch's outbox marks riding along as the
+    actor's do; no fence, no planning, no Python between statements."""
+    committed = await applier.insert_messages(conn, scope.workspace_id, scope.scope_id, plans) if plans else []
+    if settling:
+        await applier.settle_inline_delivered(conn, scope.scope_id, settling)
+    return [message.id for message in committed]
+
+
+async def _limit_sends(db: Database, scope: ScopeContext, actor: ActorContext, content: str, n: int,
+                       batch: int) -> int:
+    """n messages in batches of `batch`, one transaction after the other (the scope's row
+    serializes writers anyway); their plans are made before the clock starts."""
+    plans = [plan_message(MessageIntent(scope_id=scope.scope_id, content=content), actor, scope, {}, None)
+             for _ in range(n)]
+    start = time.perf_counter()
+    settling: list[str] = []
+    for offset in range(0, n, batch):
+        settling = await db.transaction(_limit_unit, scope, plans[offset:offset + batch], settling)
+    await db.transaction(_limit_unit, scope, [], settling)
+    return time.perf_counter() - start
+
+
 def run_throughput(side: str, fx: Fixture, args: argparse.Namespace, n: int, pool: PoolSettings,
-                   meter: CpuMeter) -> dict[str, Any]:
+                   meter: CpuMeter, limit_batch: int = 1) -> dict[str, Any]:
     content = make_content(args.content_size)
     warmup = max(int(n * args.warmup), 4 * args.senders)
     sender_ids = list(fx.agents[:args.senders])
@@ -460,14 +491,22 @@ def run_throughput(side: str, fx: Fixture, args: argparse.Namespace, n: int, poo
                                                  MessageIntent(scope_id=scope_id, content=content))
                         return send
 
-                await _drive(warmup, args.senders, sender_for(warm_scope))
+                if side == "limit":
+                    await _limit_sends(db, contexts[warm_scope], actors[0], content, warmup, limit_batch)
+                else:
+                    await _drive(warmup, args.senders, sender_for(warm_scope))
                 await trio.sleep(1.1)  # backends flush pending statistics about once a second
                 stats_before = await db.run(_pg_stats)
                 counter.stats = stats = TxStats()
                 before = meter.snapshot()
                 start = time.perf_counter()
-                done = await _drive(n, args.senders, sender_for(hot_scope))
-                elapsed = time.perf_counter() - start
+                if side == "limit":
+                    # The clock of record starts after the plans are made (inside _limit_sends).
+                    elapsed = await _limit_sends(db, contexts[hot_scope], actors[0], content, n, limit_batch)
+                    done = n
+                else:
+                    done = await _drive(n, args.senders, sender_for(hot_scope))
+                    elapsed = time.perf_counter() - start
                 cpu = CpuMeter.delta(before, meter.snapshot(), elapsed)
                 counter.stats = None
                 nursery.cancel_scope.cancel()  # idle actors
@@ -478,6 +517,7 @@ def run_throughput(side: str, fx: Fixture, args: argparse.Namespace, n: int, poo
         check["gap_free"] = (check["messages"] == n and check["distinct_seqs"] == n and check["min_seq"] == 1
                              and check["max_seq"] == n and check["scope_latest_seq"] == n and done == n)
         return {"side": side, "scope_id": hot_scope, "messages": n, "warmup_messages": warmup,
+                **({"limit_batch": limit_batch} if side == "limit" else {}),
                 "seconds": round(elapsed, 4), "sends_per_s": round(n / elapsed, 1), "cpu": cpu,
                 "python_cpu_us_per_send": round(cpu["python_process_cpu_s"] / n * 1e6, 1),
                 "postgres_cpu_us_per_send": (round(cpu["postgres_cpu_s"] / n * 1e6, 1)
@@ -608,9 +648,13 @@ def benchmark_setting(setting: str, admin_dsn: str, template: str, args: argpars
     if "throughput" in args.parts:
         for repeat in range(args.repeats):
             order = SIDES if repeat % 2 == 0 else SIDES[::-1]
-            for position, side in enumerate(order):
-                run = clones.run(fx, lambda f: run_throughput(side, f, args, n, pool, meter))
+            # The PostgreSQL limit runs after the actor, with the batch size the actor just used.
+            actor_batch = 1
+            for position, side in enumerate([*order, "limit"]):
+                run = clones.run(fx, lambda f: run_throughput(side, f, args, n, pool, meter, actor_batch))
                 run.update(repeat=repeat, order=position)
+                if side == "actor":
+                    actor_batch = max(1, round(run["tx"]["batch_size_mean"]))
                 throughput_runs.append(run)
                 tx = run["tx"]
                 batch = f"  batch mean {tx['batch_size_mean']}" if "batch_size_mean" in tx else ""
@@ -647,7 +691,7 @@ def summarize(throughput_runs: list[dict[str, Any]], latency_runs: list[dict[str
     summary: dict[str, Any] = {}
     if throughput_runs:
         tp: dict[str, Any] = {}
-        for side in SIDES:
+        for side in (*SIDES, "limit"):
             runs = [r for r in throughput_runs if r["side"] == side]
             rates = [r["sends_per_s"] for r in runs]
             tp[side] = {
@@ -669,6 +713,15 @@ def summarize(throughput_runs: list[dict[str, Any]], latency_runs: list[dict[str
             by_side = {r["side"]: r for r in throughput_runs if r["repeat"] == repeat}
             pairs.append(round(by_side["actor"]["sends_per_s"] / by_side["baseline"]["sends_per_s"], 3))
         tp["ratio_per_repeat"] = pairs
+        tp["ratio_actor_over_limit"] = round(tp["actor"]["sends_per_s_median"]
+                                             / tp["limit"]["sends_per_s_median"], 3)
+        tp["ratio_actor_over_limit_per_repeat"] = [
+            round(next(r for r in throughput_runs if r["repeat"] == repeat and r["side"] == "actor")["sends_per_s"]
+                  / next(r for r in throughput_runs if r["repeat"] == repeat and r["side"] == "limit")["sends_per_s"],
+                  3) for repeat in sorted({r["repeat"] for r in throughput_runs})]
+        tp["limit_batch_sizes"] = [r["limit_batch"] for r in throughput_runs if r["side"] == "limit"]
+        tp["limit_target"] = LIMIT_TARGET
+        tp["meets_limit_target"] = tp["ratio_actor_over_limit"] >= LIMIT_TARGET
         tp["target"] = args.throughput_target
         tp["meets_target"] = tp["ratio_actor_over_baseline"] >= args.throughput_target
         summary["throughput"] = tp
@@ -730,6 +783,14 @@ def print_tables(settings: list[dict[str, Any]], args: argparse.Namespace, targe
                   f"{tp['actor']['batch_size_mean_median']:>6.1f} "
                   f"{'yes' if tp['baseline']['gap_free_all'] and tp['actor']['gap_free_all'] else 'NO':>8}  "
                   f"{_verdict(tp['meets_target'], s['setting'] == target_setting)}")
+        print(f"  PostgreSQL limit (the actor's rows in its batch size, one transaction per batch, nothing else): "
+              f"actor / limit target >= {LIMIT_TARGET:g}")
+        for s in tp_rows:
+            tp = s["summary"]["throughput"]
+            print(f"    {s['setting']:<10} limit {_fmt(tp['limit']['sends_per_s_median'])} sends/s "
+                  f"[{', '.join(_fmt(x) for x in tp['limit']['sends_per_s_all'])}] (batches {tp['limit_batch_sizes']})"
+                  f"  actor / limit {tp['ratio_actor_over_limit']:.2f} (paired {tp['ratio_actor_over_limit_per_repeat']})"
+                  f"  {_verdict(tp['meets_limit_target'], s['setting'] == target_setting)}")
         print("  all runs (sends/s):")
         for s in tp_rows:
             tp = s["summary"]["throughput"]

@@ -8,8 +8,9 @@ LISTEN/NOTIFY and close the affected connections with 4403 within one
 notification round trip.
 
 Shutdown order (SIGINT/SIGTERM or cancellation of `run`): stop accepting, close
-every live connection with 1001 "going away", then let the caller stop the
-actors and the database.
+every live connection with 1001 "going away", let the scope actors finish what
+they hold (forwarded commands meanwhile go back to their nodes), close the
+node links, stop the actors; the caller then stops the database.
 """
 
 from __future__ import annotations
