@@ -88,7 +88,8 @@ async def test_health_ready_and_metrics_answer_plain_http_on_the_websocket_port(
             "scopewire_fanout_bytes", "scopewire_slow_consumer_closes", "scopewire_outbox_backlog",
             "scopewire_outbox_retries", "scopewire_bridge_queue_depth", "scopewire_db_pool_connections",
             "scopewire_node_info", "scopewire_node_lease_healthy", "scopewire_forwarded_commands",
-            "scopewire_bus_messages_sent", "scopewire_bus_messages_received", "scopewire_bus_resyncs"} <= names
+            "scopewire_bus_messages_sent", "scopewire_bus_messages_received", "scopewire_bus_resyncs",
+            "scopewire_bus_database_reads"} <= names
     # HEAD: the same status and headers, no body.
     head = await http_get(port, "/healthz", method="HEAD")
     assert (head.status, head.body) == (200, b"")
