@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import msgspec
 import pytest
 import trio
+import trio.testing
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from actors.fanout import CommittedEvent, Roster
@@ -25,10 +26,12 @@ from protocol import guide
 from server.app import Server
 from server import cluster_fanout
 from server.auth import Authenticator
-from server.cluster import NONCE_BYTES, _dumps, _Framed, _loads, _proof, _read_exact, _session_key
+from server.cluster import (LINK_CLOSING, NONCE_BYTES, _dumps, _Framed, _loads, _PeerLink, _proof, _read_exact,
+                            _session_key)
 from server.config import ServerConfig
 from server.credentials import SessionSigner
 from storage import messages
+from storage.errors import LeaseLost
 from storage.bridge import Database
 from tests.conftest import App, Person, Tenant, add_person
 from tests.test_bus import nats_server  # noqa: F401  (a fixture)
@@ -315,6 +318,25 @@ async def test_sends_forwarded_to_an_owner_that_shuts_down_are_all_answered_and_
     assert [row["seq"] for row in stored] == list(range(1, 181))
     assert sorted(row["content"] for row in stored) == sorted(f"{i}-{n}" for i in range(6) for n in range(30))
     assert (await _lease(second, channel["id"]))["node_id"] == "node-1"
+
+
+async def test_requests_a_closing_node_never_read_go_back_to_the_sender_as_not_run(database_dsn, nursery, alpha):
+    first, second = await Nodes(nursery, database_dsn).start(2)
+    link = _PeerLink(second.server.cluster, first.server.cluster.forward_address)
+    await link._connect()
+    done, slot = trio.Event(), []
+    link._pending[1] = (done, slot)  # sent, and not read by the owner before it closes its links
+    await trio.testing.wait_all_tasks_blocked()  # the owner serves the link (past its handshake)
+    await first.server.cluster.close_links()
+    with trio.fail_after(10):
+        await done.wait()
+    ok, error = slot[0]
+    assert not ok and isinstance(error, LeaseLost)  # the sender looks for the owner again and runs it there
+    # A peer's link that is not ours to handle says the same, as the node's last frame.
+    framed = await _open_link(second)
+    await trio.testing.wait_all_tasks_blocked()
+    await second.server.cluster.close_links()
+    assert _loads(await framed.receive()) == LINK_CLOSING
 
 
 async def test_a_client_resumes_against_another_node(nodes, alpha, member_password_hash):
