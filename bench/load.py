@@ -200,11 +200,12 @@ async def _show_progress(bar, run: _Run, duration: float) -> None:
 def _report(config: LoadConfig, scope_id: str, run: _Run, wall_s: float, cpu_s: float) -> dict[str, Any]:
     expected = len(run.acks) * config.subscribers
     seconds = max(1, math.ceil(max([o for o, _ in run.deliveries] + [o for o, _ in run.acks] + [0.0])))
-    per_second = []
-    for second in range(seconds):
-        latencies = [ms for offset, ms in run.deliveries if second <= offset < second + 1]
-        per_second.append({"t": second, "sent": sum(1 for o in run.sent if second <= o < second + 1),
-                           "delivered": len(latencies), **percentiles(latencies)})
+    latencies_by_second: list[list[float]] = [[] for _ in range(seconds)]
+    for offset, ms in run.deliveries:
+        latencies_by_second[min(int(offset), seconds - 1)].append(ms)
+    sent_by_second = Counter(int(offset) for offset in run.sent)
+    per_second = [{"t": second, "sent": sent_by_second[second], "delivered": len(latencies),
+                   **percentiles(latencies)} for second, latencies in enumerate(latencies_by_second)]
     busy = cpu_s / wall_s if wall_s else 0.0
     return {
         "tool": "bench.load", "config": {**asdict(config), "api_key": "(hidden)", "scope_id": scope_id},
