@@ -65,6 +65,12 @@ async def load_actor_view(conn: asyncpg.Connection, scope_id: str, state: ScopeC
     parent = None
     if state.type in ("thread", "task") and state.parent_scope_id is not None:
         parent = await load_scope_context(conn, state.parent_scope_id)
+        if state.type == "task":
+            # Read after its channel: a reader change committing between the two reads then shows
+            # next time as a newer channel generation, never as a stale roster kept under the new one.
+            state = await load_scope_context(conn, scope_id)
+            if state is None:
+                return ActorView(None, None, ScopeAuthority())
     chain = [state.scope_id] + ([parent.scope_id] if parent is not None else [])
     owners = sorted({e.owner_member_id for context in (state, parent) if context is not None
                      for e in context.roster.values() if e.visibility == "private" and e.owner_member_id})
