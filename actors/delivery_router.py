@@ -203,6 +203,11 @@ class DeliveryRouter:
     async def _hand_out_offered(self, offered: list[RoutedDelivery]) -> None:
         by_feed: dict[tuple[str, str], list[RoutedDelivery]] = defaultdict(list)
         for delivery in offered:
+            # One already held here was read from the ledger by a fill first: renewing its
+            # lease, once expired, is the sweep's (which takes the feed's expired leases in
+            # order, failing those out of attempts), never a late offer's.
+            if (delivery.workspace_id, delivery.recipient_member_id, delivery.delivery_seq) in self._holders:
+                continue
             if delivery.push and (delivery.workspace_id, delivery.recipient_member_id) in self._subscriptions:
                 by_feed[(delivery.workspace_id, delivery.recipient_member_id)].append(delivery)
         plan: list[tuple[FeedSubscription, list[str]]] = []

@@ -17,6 +17,7 @@ import pytest
 import trio
 
 from actors.delivery_router import DeliveryRouter
+from storage import deliveries
 from tests.conftest import App, add_person
 from tests.test_collaborators import channel_add
 from tests.test_private_visibility import as_agent, world  # noqa: F401  (world is a fixture)
@@ -363,6 +364,20 @@ def router_clock(monkeypatch: pytest.MonkeyPatch) -> RouterClock:
     return clock
 
 
+@pytest.fixture
+def router_clock_no_sweep(monkeypatch: pytest.MonkeyPatch) -> RouterClock:
+    """As `router_clock`, but the sweep never runs within a test: what an expired
+    lease does is decided by whatever else reaches the router."""
+    clock = RouterClock()
+    original = DeliveryRouter.__init__
+
+    def with_test_clock(self, db, **options):
+        original(self, db, **options, sweep_seconds=3600, clock=clock.now)
+
+    monkeypatch.setattr(DeliveryRouter, "__init__", with_test_clock)
+    return clock
+
+
 LEASE = 60  # --delivery-lease-seconds' default, which the app fixture runs with
 
 
@@ -408,6 +423,30 @@ async def test_a_delivery_never_acked_fails_after_max_attempts(router_clock, app
         listed = await feed(scout, ws)
         assert [(x["message_id"], x["status"], x.get("suppression_reason"), x["attempt"]) for x in listed] == [
             (poison["id"], "failed", "max_attempts", 10), (other["id"], "leased", None, 2)]
+
+
+async def test_a_late_offer_of_a_delivery_already_handed_out_does_not_renew_its_lease(router_clock_no_sweep,
+                                                                                      app: App, cast):
+    """A fill can read a just-committed delivery from the ledger before its inline
+    offer reaches the router; that offer, arriving after the lease expired, must not
+    hand it out again on its own (only the sweep renews expired leases: it takes the
+    feed's expired ones in order and fails those out of attempts)."""
+    alpha, _, _, _, agent, channel, key, ws, _ = cast
+    scope = channel["id"]
+    async with people(app, alpha.owner) as (owner,), contextlib.AsyncExitStack() as stack:
+        scout, _ = await subscribed_agent(stack, app, key, ws)
+        sent = await mention(owner, scope, "scout", ws, "handle me")
+        first = (await next_delivery(scout))["data"]
+        assert first["message_id"] == sent["id"]
+        row = await app.db.run(lambda conn: conn.fetchrow(
+            "SELECT * FROM scope_targeted_deliveries WHERE message_id = $1", sent["id"]))
+        router_clock_no_sweep.advance(LEASE + 1)
+        app.server.deliveries.offer([deliveries.routed_from_row(row)])
+        barrier = await mention(owner, scope, "scout", ws, "next")
+        assert (await next_delivery(scout))["data"]["message_id"] == barrier["id"]
+        no_deliveries_pushed(scout)
+        listed = await feed(scout, ws)
+        assert [(x["message_id"], x["attempt"]) for x in listed] == [(sent["id"], 1), (barrier["id"], 1)]
 
 
 # --- 6. every delivery is readable; the re-check at handout ----------------------------------------------------
