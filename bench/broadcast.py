@@ -531,6 +531,8 @@ async def broadcast_run(op: AsyncioConnection, events: OperatorEvents, account_i
                         wait_quiet: bool = True, window: Window | None = None) -> dict[str, Any]:
     quiet = await wait_for_quiet(args) if wait_quiet else None
     client_id = f"bench-{label}-{uuid.uuid4()}"
+    if args.pg_stat_statements:
+        await pg.execute("SELECT pg_stat_statements_reset()")
     m0, c0 = await scrape_metrics(url), await pg_counters(pg)
     sampler = PgSampler(fx.dsn, args.pg_sample)
     await sampler.start()
@@ -565,6 +567,7 @@ async def broadcast_run(op: AsyncioConnection, events: OperatorEvents, account_i
     m1 = await scrape_metrics(url)
     await asyncio.sleep(args.stats_wait)  # backends publish their commit counters when idle
     c1 = await pg_counters(pg)
+    statements = await pg_statements_top(pg) if args.pg_stat_statements else None
     final = await op.call("platform.broadcast.get", broadcast_id=broadcast_id)
     n = len(fx.workspace_ids)
     rows = await pg.fetch(
@@ -602,7 +605,26 @@ async def broadcast_run(op: AsyncioConnection, events: OperatorEvents, account_i
         "checks": {"completed": final["state"] == "completed", "delivered_all": targets["delivered"] == n,
                    "one_message_per_workspace": len(per_ws) == n and all(v == 1 for v in per_ws.values())},
     }
+    if statements is not None:
+        run["pg_stat_statements_top"] = statements
     return run
+
+
+async def pg_statements_top(pg: asyncpg.Connection, limit: int = 30) -> list[dict[str, Any]]:
+    """The run's costliest statements (execution and planning time), all of them summed first."""
+    rows = await pg.fetch(
+        "SELECT calls, plans, round(total_exec_time::numeric, 1) AS total_ms, round(mean_exec_time::numeric, 3) "
+        "AS mean_ms, round(total_plan_time::numeric, 1) AS plan_ms, rows, "
+        "left(regexp_replace(query, '\\s+', ' ', 'g'), 220) AS query FROM pg_stat_statements "
+        "WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database()) "
+        "ORDER BY total_exec_time + total_plan_time DESC LIMIT $1", limit)
+    total = await pg.fetchrow(
+        "SELECT sum(calls) AS calls, round(sum(total_exec_time)::numeric, 1) AS total_ms, "
+        "round(sum(total_plan_time)::numeric, 1) AS plan_ms FROM pg_stat_statements "
+        "WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())")
+    return [{"query": "(all statements)", "calls": int(total["calls"] or 0),
+             "total_ms": float(total["total_ms"] or 0), "plan_ms": float(total["plan_ms"] or 0)}] + [
+        {k: (float(v) if k.endswith("_ms") else v) for k, v in dict(r).items()} for r in rows]
 
 
 def _minus(a: int | None, b: int | None) -> float | None:
@@ -1044,6 +1066,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--noise-retries", type=int, default=2,
                    help="how often a run disturbed by other work is run again; the last one counts (2)")
     p.add_argument("--idle-busy", type=float, default=0.5, help="cores busy that count as nearly idle (0.5)")
+    p.add_argument("--pg-stat-statements", action="store_true",
+                   help="diagnostic: preload pg_stat_statements (track_planning on) and record each broadcast "
+                        "run's top statements")
     p.add_argument("--profile", action="store_true",
                    help="after the measured runs: each side once more on a server under cProfile (where time goes)")
     p.add_argument("--profile-top", type=int, default=30, help="functions listed per profile table (30)")
@@ -1202,14 +1227,22 @@ def main(argv: list[str] | None = None) -> int:
         log(f"starting a {'throwaway' if args.throwaway else 'durable'} PostgreSQL in {data_dir} ...")
         cluster.start()  # main thread, before any event loop runs
 
-        async def create_db() -> None:
-            conn = await asyncpg.connect(cluster.dsn("postgres"))
+        async def admin(statements: list[str], database: str = "postgres") -> None:
+            conn = await asyncpg.connect(cluster.dsn(database))
             try:
-                await conn.execute(f"CREATE DATABASE {DATABASE}")
+                for statement in statements:
+                    await conn.execute(statement)
             finally:
                 await conn.close()
 
-        asyncio.run(create_db())
+        if args.pg_stat_statements:  # diagnostic: preloading the library needs a restart
+            asyncio.run(admin(["ALTER SYSTEM SET shared_preload_libraries = 'pg_stat_statements'",
+                               "ALTER SYSTEM SET pg_stat_statements.track_planning = on"]))
+            cluster.stop()
+            cluster.start()
+        asyncio.run(admin([f"CREATE DATABASE {DATABASE}"]))
+        if args.pg_stat_statements:
+            asyncio.run(admin(["CREATE EXTENSION pg_stat_statements"], DATABASE))
         document = asyncio.run(run())
     finally:
         try:
