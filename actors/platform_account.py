@@ -200,7 +200,7 @@ class PlatformAccountActor:
                 self._wake = trio.Event()
                 full, self._full_pass_due = self._full_pass_due, False
                 try:
-                    progressed = await self._advance(full, deliveries)
+                    progressed, full_work_progressed = await self._advance(full, deliveries)
                     failures = 0
                 except NotFound:
                     break  # deleted (here or by another process): nothing is left to advance
@@ -212,9 +212,11 @@ class PlatformAccountActor:
                     failures += 1
                     log.warning("platform account step failed; retrying", extra={
                         "platform_service_account_id": self.account_id, "error": str(exc)})
-                    progressed = False
+                    progressed = full_work_progressed = False
                 if progressed:
-                    self._full_pass_due = self._full_pass_due or full
+                    # Another full pass only while its own steps move (more to provision, number or
+                    # enumerate); deliveries alone need only the dispatch part.
+                    self._full_pass_due = self._full_pass_due or full_work_progressed
                     continue
                 if not await self._sleep(failures):
                     self._full_pass_due = True  # the timer: look at every kind of work again
@@ -286,26 +288,30 @@ class PlatformAccountActor:
 
     # --- advancing the rows ------------------------------------------------------------------------------
 
-    async def _advance(self, full: bool, deliveries: trio.Nursery) -> bool:
-        """One bounded step of each kind of work due; True when any moved (there may be more)."""
+    async def _advance(self, full: bool, deliveries: trio.Nursery) -> tuple[bool, bool]:
+        """One bounded step of each kind of work due: (whether any moved, whether a step of the
+        full pass moved or a broadcast finished) — there may be more."""
         correlation = new_id("req")
-        progressed = False
+        full_work = False
         if full:
-            progressed |= await self._provision(correlation)
-            progressed |= await self._profile()
-            progressed |= bool(await self._write(store.allocate_step, self.account_id, correlation))
-            progressed |= await self._write(store.enumerate_step, self.account_id, ENUMERATION_PAGE)
+            full_work |= await self._provision(correlation)
+            full_work |= await self._profile()
+            full_work |= bool(await self._write(store.allocate_step, self.account_id, correlation))
+            full_work |= await self._write(store.enumerate_step, self.account_id, ENUMERATION_PAGE)
+            # Excluded rows come only from enumeration: an instance excluded from a seq opened after its G,
+            # so it is excluded from every earlier seq too and its excluded rows precede its eligible ones.
+            full_work |= bool(await self._write(store.settle_excluded_heads, self.account_id, new_id("req")))
         settled, self._settled_since_check = self._settled_since_check, False
-        progressed |= await self._dispatch(full, deliveries)
+        dispatched = await self._dispatch(deliveries)
         if full or (settled and self._in_flight == 0):
             finished = await self._write(store.finish_broadcasts, self.account_id, correlation)
             for broadcast_id in finished:
                 self._snapshots.pop(broadcast_id, None)
                 await self._emit("platform_service_account.broadcast_completed", broadcast_id=broadcast_id)
-            progressed |= bool(finished)
+            full_work |= bool(finished)
         elif settled:
             self._settled_since_check = True  # checked once the deliveries in flight are done
-        return progressed
+        return full_work or dispatched, full_work
 
     async def _provision(self, correlation: str) -> bool:
         step = await self._write(store.provision_step, self.account_id, PROVISION_BATCH, correlation)
@@ -323,24 +329,21 @@ class PlatformAccountActor:
             await self._emit("service_account.updated", workspace_id=local["workspace_id"], local=local)
         return bool(changed)
 
-    async def _dispatch(self, enumerated: bool, deliveries: trio.Nursery) -> bool:
-        """Settle the generation-excluded heads, then lease due heads into free delivery slots: up to
-        twice the concurrency in flight (leased ahead), topped up once half of that is free."""
-        excluded = 0
-        # Excluded rows come only from enumeration: an instance excluded from a seq opened after its G,
-        # so it is excluded from every earlier seq too and its excluded rows precede its eligible ones.
-        if enumerated:
-            excluded = await self._write(store.settle_excluded_heads, self.account_id, new_id("req"))
+    async def _dispatch(self, deliveries: trio.Nursery) -> bool:
+        """Lease due heads into free delivery slots: up to twice the concurrency in flight (leased
+        ahead), topped up once half of that is free."""
         capacity = 2 * self.settings.delivery_concurrency
         room = capacity - self._in_flight
         if room < capacity // 2 and self._in_flight:
-            return bool(excluded)
+            return False
         heads = await self._write(store.lease_heads, self.account_id, self.services.node_id,
                                            self.settings.lease_seconds, room)
+        # The local scopes are mostly quiet ones: their actors start with one lease transaction for all.
+        await self.services.scopes.start_many([lease.local_scope_id for lease in heads])
         for lease in heads:
             self._in_flight += 1
             deliveries.start_soon(self._deliver, lease)
-        return bool(excluded or heads)
+        return bool(heads)
 
     async def _snapshot(self, broadcast_id: str) -> BroadcastSnapshot:
         snapshot = self._snapshots.get(broadcast_id)

@@ -14,8 +14,9 @@ import trio
 
 from actors.fanout import FanoutHub
 from actors.scope_actor import ActorUnavailable, Command, CreateScope, Reply, ScopeActor
+from storage import messages
 from storage.bridge import Database
-from storage.errors import DatabaseUnavailable, LeaseLost
+from storage.errors import DatabaseUnavailable, LeaseLost, StorageError
 
 log = logging.getLogger("scopewire.actors")
 
@@ -45,6 +46,9 @@ class Ownership(Protocol):
         exist unless `creating` it.  `kind`: another kind of owned row (storage.leases),
         e.g. a platform account."""
 
+    async def acquire_free(self, scope_ids: list[str]) -> dict[str, int]:
+        """Take the free leases among these scopes in one transaction: scope → epoch."""
+
     async def release(self, scope_id: str, epoch: int) -> None: ...
 
     async def forward(self, owner: Owner, scope_id: str, command: Command) -> Any:
@@ -61,8 +65,10 @@ class ScopeRegistry:
                  outbox_wake: Callable[[], None] | None = None, submit_timeout_seconds: float = 30.0,
                  mailbox_size: int = 1024, on_commit: Callable[[int, float], None] | None = None,
                  offer_deliveries: Callable[[list], None] | None = None,
-                 ownership: Ownership | None = None) -> None:
+                 ownership: Ownership | None = None,
+                 settle_later: Callable[[str, list[str]], None] | None = None) -> None:
         self.db = db
+        self.settle_later = settle_later
         # Scope leases across nodes (server/cluster.py); None: this process owns every scope.
         self.ownership = ownership
         # Scopes another node owns, until when that is trusted without asking the database again.
@@ -88,9 +94,11 @@ class ScopeRegistry:
         # Wall time as actors see it (audience-mention quotas): injectable, so tests drive the window.
         self.clock: Callable[[], datetime] = lambda: datetime.now(timezone.utc)
 
-    def _start_actor(self, scope_id: str, lease: tuple[str, int] | None) -> ScopeActor:
+    def _start_actor(self, scope_id: str, lease: tuple[str, int] | None,
+                     view: messages.ActorView | None = None) -> ScopeActor:
         actor = ScopeActor(scope_id, self.db, self.hub, self.outbox_wake, self.idle_seconds, self.mailbox_size,
-                           self.on_commit, self.offer_deliveries, clock=lambda: self.clock(), lease=lease)
+                           self.on_commit, self.offer_deliveries, clock=lambda: self.clock(), lease=lease,
+                           settle_later=self.settle_later, view=view)
         self._actors[scope_id] = actor
         self._supervising += 1
         if self.draining:
@@ -131,6 +139,40 @@ class ScopeRegistry:
                 raise LeaseLost(f"node {self.ownership.node_id} does not own scope {scope_id}")
             self._owners[scope_id] = (owner, trio.current_time() + OWNER_CACHE_SECONDS)
             return owner
+
+    async def start_many(self, scope_ids: list[str]) -> None:
+        """Start actors here for those of these scopes that have none, taking their free
+        leases in one transaction and reading their state in two statements: a caller
+        about to send one command to each of many quiet scopes (a platform broadcast)
+        pays that once, not per scope.  A scope another node holds, or one whose lease
+        cannot be had now, is left to its command's own acquisition (and a thread, a
+        task or a scope with private members reads its own state)."""
+        if self.ownership is None or self.draining:
+            return
+        now = trio.current_time()
+        wanted = sorted({s for s in scope_ids
+                         if (s not in self._actors or self._actors[s].stopped) and s not in self._acquiring
+                         and not (s in self._owners and self._owners[s][1] > now)})
+        if not wanted:
+            return
+        done = trio.Event()
+        for scope_id in wanted:
+            self._acquiring[scope_id] = done
+        epochs: dict[str, int] = {}
+        views: dict[str, messages.ActorView] = {}
+        try:
+            epochs = await self.ownership.acquire_free(wanted)
+            # Read after the leases are ours, as an actor's own first reload is.
+            views = await self.db.run(messages.load_plain_actor_views, sorted(epochs)) if epochs else {}
+        except StorageError as exc:  # what was taken starts anyway, each actor reading its own state
+            log.info("scope actors not started together", extra={"error": str(exc)})
+        finally:
+            for scope_id in wanted:
+                del self._acquiring[scope_id]
+            done.set()
+        for scope_id, epoch in epochs.items():
+            if scope_id not in self._actors or self._actors[scope_id].stopped:
+                self._start_actor(scope_id, (self.ownership.node_id, epoch), views.get(scope_id))
 
     async def _supervise(self, actor: ScopeActor) -> None:
         try:

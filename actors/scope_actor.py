@@ -247,8 +247,14 @@ class ScopeActor:
                  idle_seconds: float = 30.0, mailbox_size: int = 1024,
                  on_commit: Callable[[int, float], None] | None = None,
                  offer_deliveries: Callable[[list[RoutedDelivery]], None] | None = None,
-                 clock: Callable[[], datetime] | None = None, lease: tuple[str, int] | None = None) -> None:
+                 clock: Callable[[], datetime] | None = None, lease: tuple[str, int] | None = None,
+                 settle_later: Callable[[str, list[str]], None] | None = None,
+                 view: messages.ActorView | None = None) -> None:
         self.scope_id = scope_id
+        # Read for it already (ScopeRegistry.start_many): taken instead of the first reload.
+        self._first_view = view
+        # Takes the marks of inline deliveries when the mailbox runs empty (actors/inline_settler.py).
+        self.settle_later = settle_later
         # (node id, epoch) of this node's ownership lease (storage/leases.py): every write
         # transaction passes its fence first.  None: a single process without leases.
         self.lease = lease
@@ -289,7 +295,8 @@ class ScopeActor:
         # Ensured in the running batch: known to exist only once it commits.
         self._executions_in_batch: set[str] = set()
         # Messages delivered inline whose outbox rows are not marked yet: the mark
-        # rides in the next batch's transaction, or goes alone when the mailbox is empty.
+        # rides in the next batch's transaction, or goes to `settle_later` (else alone)
+        # when the mailbox is empty.
         self._unsettled: list[str] = []
 
     @property
@@ -301,7 +308,11 @@ class ScopeActor:
         """Serve until idle; a crash fails the pending commands and ends the task
         (the registry starts a fresh actor on the next command)."""
         try:
-            await self._reload()
+            if self._first_view is not None:
+                self._take(self._first_view)
+                self._first_view = None
+            else:
+                await self._reload()
             # Committed but not yet published: fanned out while the next batch's
             # transaction runs (or as soon as the mailbox is empty).
             pending: _Publication | None = None
@@ -567,6 +578,10 @@ class ScopeActor:
 
     async def _settle(self) -> None:
         settling = list(self._unsettled)
+        if self.settle_later is not None:
+            del self._unsettled[:]
+            self.settle_later(self.scope_id, settling)
+            return
         try:
             await self.db.transaction(self._apply_settle, settling)
         except DatabaseUnavailable:

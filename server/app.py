@@ -30,6 +30,7 @@ from protocol.codec import decode_request, encode, error_frame
 from protocol.errors import ErrorCode, ProtocolError
 from actors.fanout import FanoutHub
 from actors.delivery_router import DeliveryRouter, FeedSubscription
+from actors.inline_settler import InlineSettler
 from actors.outbox_worker import OutboxWorker
 from actors.platform_account import PlatformRegistry
 from actors.registry import ScopeRegistry, actor_seconds
@@ -170,6 +171,7 @@ class Server:
     presence_limiter: KeyedRateLimiter = field(default_factory=lambda: KeyedRateLimiter(0.2, 3))
     registry: ScopeRegistry | None = None
     outbox: OutboxWorker | None = None
+    settler: InlineSettler | None = None
     deliveries: DeliveryRouter = field(init=False)
     audience: AudienceReconciler = field(init=False)
     platform: PlatformRegistry | None = None
@@ -243,10 +245,13 @@ class Server:
         async with trio.open_nursery() as actors_nursery:
             self.outbox = OutboxWorker(self.db, self.hub, self.deliveries)
             outbox = self.outbox
+            self.settler = settler = InlineSettler(self.db)
             self.registry = ScopeRegistry(self.db, self.hub, actors_nursery, idle_seconds=self.config.actor_idle_seconds,
                                           outbox_wake=lambda: outbox.wake.set(),
                                           on_commit=self.metrics.batch_committed,
-                                          offer_deliveries=self.deliveries.offer, ownership=self.cluster)
+                                          offer_deliveries=self.deliveries.offer, ownership=self.cluster,
+                                          settle_later=settler.settle)
+            await actors_nursery.start(settler.run)
             await actors_nursery.start(self.cluster.run)
             await actors_nursery.start(self.deliveries.run)
             await actors_nursery.start(self.outbox.run)
@@ -260,6 +265,7 @@ class Server:
                 await self._serve(stop, task_status=task_status)
                 with trio.move_on_after(self.config.shutdown_grace_seconds):
                     await self.registry.drain()
+                    await settler.drain()
                     await self.cluster.close_links()
             finally:
                 actors_nursery.cancel_scope.cancel()

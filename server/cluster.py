@@ -331,6 +331,16 @@ class NodeLease:
         except asyncpg.LockNotAvailableError:
             raise LeaseLost(f"the {kind.name}'s owner is busy committing; retry") from None
 
+    async def acquire_free(self, scope_ids: list[str]) -> dict[str, int]:
+        """Take the free leases among these scopes in one transaction (leases.acquire_free);
+        {} when that cannot be done now (each scope's first command then acquires it alone)."""
+        if not self.lease_healthy:
+            await self.renew()
+        try:
+            return await self.db.transaction(_acquire_free, scope_ids, self.node_id)
+        except asyncpg.PostgresError:  # a lock timeout or deadlock against another node's batch
+            return {}
+
     async def release(self, scope_id: str, epoch: int) -> None:
         await self.db.run(leases.release, scope_id, self.node_id, epoch)
 
@@ -626,6 +636,11 @@ class ClusterNode(NodeLease):
         for connection in list(self.server.connections.all):
             if connection.push is not None:
                 connection.push.catch_up()
+
+
+async def _acquire_free(conn: asyncpg.Connection, keys: list[str], node_id: str) -> dict[str, int]:
+    await conn.execute(f"SET LOCAL lock_timeout = {ACQUIRE_LOCK_TIMEOUT_MS}")
+    return await leases.acquire_free(conn, keys, node_id)
 
 
 async def _acquire(conn: asyncpg.Connection, key: str, node_id: str, creating: bool,

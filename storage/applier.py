@@ -581,6 +581,16 @@ async def settle_inline_delivered(conn: asyncpg.Connection, scope_id: str, messa
     )
 
 
+async def settle_inline_delivered_many(conn: asyncpg.Connection, scope_ids: list[str], message_ids: list[str]) -> None:
+    """settle_inline_delivered for the (scope, message) pairs of many scopes at once."""
+    await conn.execute(
+        "UPDATE scope_fanout_outbox o SET status = 'delivered', delivered_at = now(), attempts = o.attempts + 1 "
+        "FROM unnest($1::text[], $2::text[]) AS t(scope_id, message_id) WHERE o.scope_id = t.scope_id "
+        "AND o.message_id = t.message_id AND o.fanout_type = 'message.created' AND o.status = 'pending'",
+        scope_ids, message_ids,
+    )
+
+
 async def lease_due(conn: asyncpg.Connection, owner: str, limit: int, lease_seconds: float) -> list[asyncpg.Record]:
     return await conn.fetch(
         "UPDATE scope_fanout_outbox SET status = 'leased', lease_owner = $1, "

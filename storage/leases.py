@@ -108,6 +108,28 @@ async def acquire(conn: asyncpg.Connection, key: str, node_id: str, *, creating:
     return Ownership(held["node_id"], held["epoch"], held["forward_address"])
 
 
+async def acquire_free(conn: asyncpg.Connection, keys: list[str], node_id: str, *,
+                       kind: LeasedKind = SCOPES) -> dict[str, int]:
+    """`acquire` for many keys in one statement, taking only what needs no answer about
+    another owner: the leases of existing keys that are free, held by a node whose
+    lease ran out, or held by this node (a new epoch).  Returns the epoch of each key
+    taken; a key a live node holds is left out (`acquire` names its owner).  Rows are
+    locked in key order, as every batch does."""
+    table, column = kind.table, kind.key
+    live_elsewhere = ("SELECT 1 FROM cluster_nodes n WHERE n.node_id = {holder} AND n.stopped_at IS NULL "
+                      "AND n.lease_expires_at > clock_timestamp()")
+    rows = await conn.fetch(
+        f"INSERT INTO {table} AS l ({column}, node_id) SELECT k, $2 FROM unnest($1::text[]) AS k "
+        f"WHERE EXISTS (SELECT 1 FROM {kind.owned_table} o WHERE o.id = k) AND NOT EXISTS ("
+        f" SELECT 1 FROM {table} h WHERE h.{column} = k AND h.node_id <> $2 "
+        f" AND EXISTS ({live_elsewhere.format(holder='h.node_id')})) ORDER BY k "
+        f"ON CONFLICT ({column}) DO UPDATE SET node_id = EXCLUDED.node_id, epoch = l.epoch + 1, acquired_at = now() "
+        f"WHERE l.node_id IS NULL OR l.node_id = EXCLUDED.node_id OR NOT EXISTS ("
+        f"{live_elsewhere.format(holder='l.node_id')}) "
+        f"RETURNING l.{column} AS key, l.epoch", sorted(set(keys)), node_id)
+    return {r["key"]: r["epoch"] for r in rows}
+
+
 async def release(conn: asyncpg.Connection, key: str, node_id: str, epoch: int, *,
                   kind: LeasedKind = SCOPES) -> None:
     """An idle actor gives its scope back (the epoch stays, so it can never pass again)."""

@@ -26,21 +26,41 @@ log = logging.getLogger("scopewire.storage")
 
 # --- actor state ---------------------------------------------------------------------------
 
-async def load_scope_context(conn: asyncpg.Connection, scope_id: str) -> ScopeContext | None:
-    scope = await conn.fetchrow(
-        "SELECT s.id, s.workspace_id, s.type, s.status, s.parent_scope_id, s.root_message_id, s.latest_seq, "
-        "s.roster_generation, p.visibility FROM scopes s LEFT JOIN scope_channel_profiles p ON p.scope_id = s.id "
-        "WHERE s.id = $1",
-        scope_id,
-    )
-    if scope is None:
-        return None
+_SCOPE_CONTEXT = (
+    "SELECT s.id, s.workspace_id, s.type, s.status, s.parent_scope_id, s.root_message_id, s.latest_seq, "
+    "s.roster_generation, p.visibility FROM scopes s LEFT JOIN scope_channel_profiles p ON p.scope_id = s.id "
+)
+
+
+def _scope_context(scope: asyncpg.Record, roster: dict) -> ScopeContext:
     return ScopeContext(
         scope_id=scope["id"], workspace_id=scope["workspace_id"], type=scope["type"], status=scope["status"],
         parent_scope_id=scope["parent_scope_id"], root_message_id=scope["root_message_id"],
         latest_seq=scope["latest_seq"], roster_generation=scope["roster_generation"], visibility=scope["visibility"],
-        roster=await visibility.roster_entries(conn, scope_id),
+        roster=roster,
     )
+
+
+async def load_scope_context(conn: asyncpg.Connection, scope_id: str) -> ScopeContext | None:
+    scope = await conn.fetchrow(_SCOPE_CONTEXT + "WHERE s.id = $1", scope_id)
+    if scope is None:
+        return None
+    return _scope_context(scope, await visibility.roster_entries(conn, scope_id))
+
+
+async def load_plain_actor_views(conn: asyncpg.Connection, scope_ids: list[str]) -> dict[str, ActorView]:
+    """load_actor_view of many scopes in two statements, for the scopes it covers whole:
+    those with no parent (neither a thread nor a task) and no private member (no
+    authority to read).  The others are left out: their actors load their own."""
+    scopes = await conn.fetch(_SCOPE_CONTEXT + "WHERE s.id = ANY($1::text[]) AND s.parent_scope_id IS NULL "
+                              "AND s.type NOT IN ('thread', 'task')", scope_ids)
+    rosters = await visibility.roster_entries_of(conn, [s["id"] for s in scopes])
+    views = {}
+    for scope in scopes:
+        roster = rosters.get(scope["id"], {})
+        if all(entry.visibility != "private" for entry in roster.values()):
+            views[scope["id"]] = ActorView(_scope_context(scope, roster), None, ScopeAuthority())
+    return views
 
 
 @dataclass(frozen=True)

@@ -617,6 +617,37 @@ def test_a_stale_owner_passes_no_fence_and_a_takeover_waits_for_the_owners_commi
     asyncio.run(_stale_owner_fenced(database_dsn))
 
 
+def test_leases_taken_together_are_only_those_no_live_node_holds(database_dsn: str, password: str):
+    asyncio.run(_acquire_free(database_dsn))
+
+
+async def _acquire_free(dsn: str) -> None:
+    admin = await asyncpg.connect(dsn)
+    try:
+        free, ours, dead_owners, live_owners, released = scopes = [new_id("scp") for _ in range(5)]
+        for scope_id in scopes:
+            await admin.execute("INSERT INTO scopes (id, workspace_id, type) SELECT $1, id, 'channel' "
+                                "FROM workspaces LIMIT 1", scope_id)
+        for node_id in ("here", "dead", "live"):
+            await leases.register_node(admin, node_id, "127.0.0.1:1", 60)
+        assert (await leases.acquire(admin, ours, "here")).epoch == 1
+        assert (await leases.acquire(admin, dead_owners, "dead")).epoch == 1
+        assert (await leases.acquire(admin, live_owners, "live")).epoch == 1
+        assert (await leases.acquire(admin, released, "live")).epoch == 1
+        await leases.release(admin, released, "live", 1)
+        await expire_node_lease(admin, "dead")
+        taken = await leases.acquire_free(admin, scopes + [new_id("scp")], "here")
+        # Free, ours again, a dead node's and a released one: each under its next epoch; the live
+        # node keeps its scope; a scope that does not exist gets no lease row.
+        assert taken == {free: 1, ours: 2, dead_owners: 2, released: 2}
+        rows = await admin.fetch("SELECT scope_id, node_id, epoch FROM scope_leases WHERE scope_id = ANY($1::text[])",
+                                 scopes)
+        assert {r["scope_id"]: (r["node_id"], r["epoch"]) for r in rows} == {free: ("here", 1), ours: ("here", 2), dead_owners: ("here", 2),
+                                                     live_owners: ("live", 1), released: ("here", 2)}
+    finally:
+        await admin.close()
+
+
 async def expire_node_lease(conn: asyncpg.Connection, node_id: str) -> None:
     await conn.execute("UPDATE cluster_nodes SET heartbeat_at = clock_timestamp() - interval '2 seconds', "
                        "lease_expires_at = clock_timestamp() - interval '1 second' WHERE node_id = $1", node_id)

@@ -152,6 +152,7 @@ async def test_outbox_suppresses_rows_of_an_old_generation_or_a_fenced_workspace
 
     async def replay(message_id: str) -> None:
         """As if the server died between commit and first delivery: due again, then drained."""
+        await app.server.settler.flush()  # no mark of the inline delivery lands later
         await app.db.run(lambda c: c.execute(
             "UPDATE scope_fanout_outbox SET status = 'pending', delivered_at = NULL, next_attempt_at = now() "
             "WHERE message_id = $1", message_id))

@@ -13,6 +13,7 @@ import pytest
 import trio
 
 from client import ClientError, connect
+from storage import messages
 from tests.conftest import App, add_person
 from tests.test_messaging import open_channel
 from tests.test_tenancy import expect_error, signed_in
@@ -370,3 +371,37 @@ async def test_every_private_agent_command_probed_across_workspaces_answers_not_
                     assert error.code == "not_found", (op, fields, error)
                 else:
                     pytest.fail(f"{op} {fields} answered {answer}")
+
+
+@pytest.mark.parametrize("server_config", [{"actor_idle_seconds": 1.0}], indirect=True)
+async def test_actors_started_together_hold_what_their_own_reload_reads(app: App, world):
+    """ScopeRegistry.start_many (a platform broadcast's quiet scopes): one lease transaction and
+    one read for the plain scopes; a scope with a private member reads its own state."""
+    alpha, bob, _, agent, shared, key, ws = world
+    async with await signed_in(app, alpha.owner) as owner:
+        plain = await open_channel(owner, alpha.workspace_id, "plain", [bob.member_id])
+    scopes = sorted([plain["id"], shared["id"]])
+    views = await app.db.run(messages.load_plain_actor_views, scopes + ["scp_missing"])
+    assert list(views) == [plain["id"]]
+    assert views[plain["id"]] == await app.db.run(messages.load_actor_view, plain["id"])
+    registry = app.server.registry
+    async with await signed_in(app, bob) as b, as_agent(app, key) as scout:
+        with trio.fail_after(10):  # precondition: both actors went idle and gave their scopes back
+            while any(scope in registry._actors for scope in scopes):
+                await trio.sleep(0.05)
+        epochs = await app.db.run(lambda c: c.fetch(
+            "SELECT scope_id, node_id, epoch FROM scope_leases WHERE scope_id = ANY($1::text[]) ORDER BY scope_id",
+            scopes))
+        assert [r["node_id"] for r in epochs] == [None, None]
+        await registry.start_many(scopes)
+        assert await app.db.run(lambda c: c.fetch(
+            "SELECT scope_id, node_id, epoch FROM scope_leases WHERE scope_id = ANY($1::text[]) ORDER BY scope_id",
+            scopes)) == [(r["scope_id"], app.server.node_id, r["epoch"] + 1) for r in epochs]
+        started = {scope: registry._actors[scope] for scope in scopes}
+        assert all(actor.lease == (app.server.node_id, epoch["epoch"] + 1)
+                   for actor, epoch in zip(started.values(), epochs))
+        # Their members write at once (the roster taken from the shared read), the private agent too.
+        assert (await b.call("message.send", scope_id=plain["id"], content="hi", **ws))["seq"] == 1
+        assert (await b.call("message.send", scope_id=shared["id"], content="hi", **ws))["seq"] == 1
+        assert (await scout.call("message.send", scope_id=shared["id"], content="on it", **ws))["seq"] == 2
+        assert all(registry._actors.get(scope) is actor for scope, actor in started.items())

@@ -43,17 +43,20 @@ from storage.visibility.predicate import (
 __all__ = [
     "ENTITLED_MEMBERSHIPS", "INBOX_MEMBERSHIPS", "entitled_for_message", "entitled_roster", "explain_message", "fetch_custom_plan",
     "followers_entitled",
-    "message_readable_sql", "message_visibility_sql", "ReaderWindows", "private_reader_windows", "public_rosters", "quoted_sources_sql", "readable_join", "readable_scope_sets", "roster_entries", "scope_authority",
+    "message_readable_sql", "message_visibility_sql", "ReaderWindows", "private_reader_windows", "public_rosters", "quoted_sources_sql", "readable_join", "readable_scope_sets", "roster_entries", "roster_entries_of",
+    "scope_authority",
     "scope_members", "scope_readable_sql", "typing_audience", "viewer_membership",
 ]
 
 # The memberships that grant reading and delivery, as a relation usable in any FROM
 # (a task's 'participant' rows grant nothing: storage/visibility/tasks.py decides tasks).
-ENTITLED_MEMBERSHIPS = (
-    "(SELECT em.* FROM scope_memberships em JOIN members emm ON emm.workspace_id = em.workspace_id "
-    "AND emm.id = em.member_id WHERE em.effective_to_seq IS NULL AND emm.status = 'active' "
-    "AND em.visibility <> 'participant')"
+# `{m}` a scope_memberships row joined to its member `{mem}` (the same rule, for a query
+# that reads the member's columns too).
+ENTITLED_MEMBERSHIP_JOIN = (
+    "scope_memberships {m} JOIN members {mem} ON {mem}.workspace_id = {m}.workspace_id AND {mem}.id = {m}.member_id "
+    "AND {m}.effective_to_seq IS NULL AND {mem}.status = 'active' AND {m}.visibility <> 'participant'"
 )
+ENTITLED_MEMBERSHIPS = f"(SELECT em.* FROM {ENTITLED_MEMBERSHIP_JOIN.format(m='em', mem='emm')})"
 
 # The Inbox's memberships: the entitled ones and the state rows of the tasks the member reads.
 INBOX_MEMBERSHIPS = (
@@ -85,22 +88,30 @@ async def public_rosters(conn: asyncpg.Connection, scope_ids: list[str]) -> dict
 
 async def roster_entries(conn: asyncpg.Connection, scope_id: str) -> dict[str, RosterEntry]:
     """The scope actor's roster: who may write here and receives its events."""
+    roster = (await roster_entries_of(conn, [scope_id])).get(scope_id, {})
+    if not roster and await _is_task(conn, scope_id):
+        return await tasks.task_roster_entries(conn, scope_id)
+    return roster
+
+
+async def roster_entries_of(conn: asyncpg.Connection, scope_ids: list[str]) -> dict[str, dict[str, RosterEntry]]:
+    """roster_entries of many scopes in one statement, a task's left out (it has no rows of its own)."""
     # The state by a keyed lookup per member, not a join: right after a bulk open (a service
     # account's audience) the settings table has no statistics yet, and the join's plan was
     # quadratic — 6.7 s for a 9,000-member roster instead of 30 ms (bench/service_accounts.py).
     rows = await conn.fetch(
-        f"SELECT r.member_id, mem.kind, r.visibility, r.owner_member_id, r.last_read_seq, r.effective_from_seq, "
-        f"coalesce((SELECT n.state FROM scope_notification_settings n WHERE n.scope_id = r.scope_id "
-        f"AND n.member_id = r.member_id), 'active') AS notification_state FROM {ENTITLED_MEMBERSHIPS} r "
-        f"JOIN members mem ON mem.workspace_id = r.workspace_id AND mem.id = r.member_id "
-        f"WHERE r.scope_id = $1",
-        scope_id,
+        f"SELECT r.scope_id, r.member_id, mem.kind, r.visibility, r.owner_member_id, r.last_read_seq, "
+        f"r.effective_from_seq, coalesce((SELECT n.state FROM scope_notification_settings n "
+        f"WHERE n.scope_id = r.scope_id AND n.member_id = r.member_id), 'active') AS notification_state "
+        f"FROM {ENTITLED_MEMBERSHIP_JOIN.format(m='r', mem='mem')} WHERE r.scope_id = ANY($1::text[])",
+        scope_ids,
     )
-    if not rows and await _is_task(conn, scope_id):
-        return await tasks.task_roster_entries(conn, scope_id)
-    return {r["member_id"]: RosterEntry(r["member_id"], r["kind"], r["visibility"], r["owner_member_id"],
-                                        r["last_read_seq"], r["effective_from_seq"], r["notification_state"])
-            for r in rows}
+    rosters: dict[str, dict[str, RosterEntry]] = {}
+    for r in rows:
+        rosters.setdefault(r["scope_id"], {})[r["member_id"]] = RosterEntry(
+            r["member_id"], r["kind"], r["visibility"], r["owner_member_id"], r["last_read_seq"],
+            r["effective_from_seq"], r["notification_state"])
+    return rosters
 
 
 async def typing_audience(conn: asyncpg.Connection, scope_id: str, typist: str) -> frozenset[str]:
