@@ -10,6 +10,7 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any, Protocol
 
+import asyncpg
 import trio
 
 from actors.fanout import FanoutHub
@@ -164,7 +165,7 @@ class ScopeRegistry:
             epochs = await self.ownership.acquire_free(wanted)
             # Read after the leases are ours, as an actor's own first reload is.
             views = await self.db.run(messages.load_plain_actor_views, sorted(epochs)) if epochs else {}
-        except StorageError as exc:  # what was taken starts anyway, each actor reading its own state
+        except (StorageError, asyncpg.PostgresError) as exc:  # what was taken starts anyway, reading its own state
             log.info("scope actors not started together", extra={"error": str(exc)})
         finally:
             for scope_id in wanted:

@@ -214,18 +214,17 @@ async def insert_messages(conn: asyncpg.Connection, workspace_id: str, scope_id:
     locked by the caller) are claimed by message i and described in its metadata."""
     count = len(plans)
     # The workspace counter row stays locked until commit: allocation order ==
-    # commit order within the workspace (see storage/schema.py).
-    global_tail = await conn.fetchval(
-        "INSERT INTO workspace_message_counters (workspace_id, latest_global_seq) VALUES ($1, $2) "
-        "ON CONFLICT (workspace_id) DO UPDATE SET latest_global_seq = workspace_message_counters.latest_global_seq + $2 "
-        "RETURNING latest_global_seq",
-        workspace_id, count,
+    # commit order within the workspace (see storage/schema.py).  One round trip for
+    # both tails: the scope's update reads the counter's new value.
+    tails = await conn.fetchrow(
+        "WITH g AS (INSERT INTO workspace_message_counters (workspace_id, latest_global_seq) VALUES ($1, $3) "
+        "ON CONFLICT (workspace_id) DO UPDATE SET latest_global_seq = workspace_message_counters.latest_global_seq + $3 "
+        "RETURNING latest_global_seq) "
+        "UPDATE scopes SET latest_seq = latest_seq + $3, latest_global_seq = (SELECT latest_global_seq FROM g), "
+        "latest_message_at = now(), updated_at = now() WHERE id = $2 RETURNING latest_seq, latest_global_seq",
+        workspace_id, scope_id, count,
     )
-    scope_tail = await conn.fetchval(
-        "UPDATE scopes SET latest_seq = latest_seq + $2, latest_global_seq = $3, latest_message_at = now(), "
-        "updated_at = now() WHERE id = $1 RETURNING latest_seq",
-        scope_id, count, global_tail,
-    )
+    scope_tail, global_tail = tails["latest_seq"], tails["latest_global_seq"]
     ids = [new_id("msg") for _ in plans]
     seqs = list(range(scope_tail - count + 1, scope_tail + 1))
     global_seqs = list(range(global_tail - count + 1, global_tail + 1))
@@ -233,7 +232,13 @@ async def insert_messages(conn: asyncpg.Connection, workspace_id: str, scope_id:
     for message_metadata, claimed in zip(metadata, attachments or ()):
         if claimed:
             message_metadata["attachments"] = claimed
-    rows = await conn.fetch(
+    # The messages and their outbox rows in one statement (the outbox has no key on the message).
+    created_at = await conn.fetchval(
+        "WITH outbox AS (INSERT INTO scope_fanout_outbox (id, workspace_id, scope_id, message_id, event_ref_type, "
+        "event_ref_id, fanout_type, delivery_policy, dedupe_key, payload, execution_generation, next_attempt_at) "
+        "SELECT oi, $1, $2, om, ort, ori, oft, odp, odk, op::jsonb, og, now() + make_interval(secs => $24) FROM unnest("
+        "$15::text[], $16::text[], $17::text[], $18::text[], $19::text[], $20::text[], $21::text[], $22::text[], "
+        "$23::bigint[]) AS o(oi, om, ort, ori, oft, odp, odk, op, og)) "
         "INSERT INTO scope_messages (id, workspace_id, scope_id, seq, workspace_global_seq, author_member_id, "
         "author_type, notify_principal_member_id, idempotency_subject_member_id, client_message_id, "
         "idempotency_payload_digest, message_type, content, metadata) "
@@ -249,10 +254,9 @@ async def insert_messages(conn: asyncpg.Connection, workspace_id: str, scope_id:
         [p.digest if p.intent.client_message_id is not None else None for p in plans],
         [p.intent.message_type for p in plans], [p.intent.content for p in plans],
         [json.dumps(m) for m in metadata],
+        *_message_outbox_columns(ids, plans), INLINE_GRACE_SECONDS,
     )
     await _insert_sources(conn, workspace_id, scope_id, ids, plans)
-    await _insert_message_outbox(conn, workspace_id, scope_id, ids, plans)
-    created_at = rows[0]["created_at"]
     if attachments:
         await attachment_rows.claim(conn, scope_id, [(a["id"], message_id) for message_id, claimed
                                                      in zip(ids, attachments) for a in claimed])
@@ -298,25 +302,15 @@ async def _insert_sources(conn: asyncpg.Connection, workspace_id: str, scope_id:
         )
 
 
-async def _insert_message_outbox(conn: asyncpg.Connection, workspace_id: str, scope_id: str, ids: list[str],
-                                 plans: list[MessagePlan]) -> None:
+def _message_outbox_columns(ids: list[str], plans: list[MessagePlan]) -> list[list[Any]]:
+    """The outbox rows of fresh messages, as the nine columns insert_messages writes."""
     rows = [(new_id("obx"), message_id, event.event_ref_type, message_id, event.fanout_type, event.policy.value,
              f"{event.fanout_type}:{message_id}",
              json.dumps({"mentions": list(plan.live_mentions),
                          "explain": [[e.member_id, e.reason, e.delivered] for e in plan.explain]}),
              plan.actor.execution_generation)
             for message_id, plan in zip(ids, plans) for event in plan.outbox]
-    if not rows:
-        return
-    columns = list(zip(*rows))
-    await conn.execute(
-        "INSERT INTO scope_fanout_outbox (id, workspace_id, scope_id, message_id, event_ref_type, event_ref_id, "
-        "fanout_type, delivery_policy, dedupe_key, payload, execution_generation, next_attempt_at) "
-        "SELECT i, $1, $2, m, rt, ri, ft, dp, dk, p::jsonb, g, now() + make_interval(secs => $12) FROM unnest("
-        "$3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::text[], $9::text[], $10::text[], "
-        "$11::bigint[]) AS t(i, m, rt, ri, ft, dp, dk, p, g)",
-        workspace_id, scope_id, *[list(c) for c in columns], INLINE_GRACE_SECONDS,
-    )
+    return [list(column) for column in zip(*rows)] if rows else [[] for _ in range(9)]
 
 
 async def insert_routed_outbox(conn: asyncpg.Connection, workspace_id: str, scope_id: str, fanout_type: str,
