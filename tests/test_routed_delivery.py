@@ -350,32 +350,29 @@ class RouterClock:
         self.offset += timedelta(seconds=seconds)
 
 
-@pytest.fixture
-def router_clock(monkeypatch: pytest.MonkeyPatch) -> RouterClock:
-    """Request before `app`: the server's router takes this clock, and sweeps often
-    so that a lease the clock expired is found at once."""
+def _router_with_clock(monkeypatch: pytest.MonkeyPatch, sweep_seconds: float) -> RouterClock:
     clock = RouterClock()
     original = DeliveryRouter.__init__
 
     def with_test_clock(self, db, **options):
-        original(self, db, **options, sweep_seconds=0.05, clock=clock.now)
+        original(self, db, **options, sweep_seconds=sweep_seconds, clock=clock.now)
 
     monkeypatch.setattr(DeliveryRouter, "__init__", with_test_clock)
     return clock
+
+
+@pytest.fixture
+def router_clock(monkeypatch: pytest.MonkeyPatch) -> RouterClock:
+    """Request before `app`: the server's router takes this clock, and sweeps often
+    so that a lease the clock expired is found at once."""
+    return _router_with_clock(monkeypatch, 0.05)
 
 
 @pytest.fixture
 def router_clock_no_sweep(monkeypatch: pytest.MonkeyPatch) -> RouterClock:
     """As `router_clock`, but the sweep never runs within a test: what an expired
     lease does is decided by whatever else reaches the router."""
-    clock = RouterClock()
-    original = DeliveryRouter.__init__
-
-    def with_test_clock(self, db, **options):
-        original(self, db, **options, sweep_seconds=3600, clock=clock.now)
-
-    monkeypatch.setattr(DeliveryRouter, "__init__", with_test_clock)
-    return clock
+    return _router_with_clock(monkeypatch, 3600)
 
 
 LEASE = 60  # --delivery-lease-seconds' default, which the app fixture runs with
