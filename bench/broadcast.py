@@ -681,6 +681,8 @@ async def baseline_run(conns: list[AsyncioConnection], fx: Fixture, meter: Meter
     next_index = iter(range(n))
     rtt: list[float] = []
     done_at: list[float] = []
+    if args.pg_stat_statements:
+        await pg.execute("SELECT pg_stat_statements_reset()")
     m0, c0 = await scrape_metrics(url), await pg_counters(pg)
     sampler = PgSampler(fx.dsn, args.pg_sample)
     await sampler.start()
@@ -711,11 +713,12 @@ async def baseline_run(conns: list[AsyncioConnection], fx: Fixture, meter: Meter
     m1 = await scrape_metrics(url)
     await asyncio.sleep(args.stats_wait)  # backends publish their commit counters when idle
     c1 = await pg_counters(pg)
+    statements = await pg_statements_top(pg) if args.pg_stat_statements else None
     count = await pg.fetchval("SELECT count(DISTINCT workspace_id) FROM scope_messages WHERE client_message_id LIKE $1",
                               prefix + "%")
     rtt.sort()
     done_at.sort()
-    return {
+    run = {
         "label": label, "concurrency": len(conns), "quiet": quiet, "wall_s": round(wall, 3),
         "cpu_calibration_ms": calibration,
         "deliveries_per_s": round(n / wall, 1),
@@ -731,6 +734,9 @@ async def baseline_run(conns: list[AsyncioConnection], fx: Fixture, meter: Meter
         "metrics_delta": metrics_delta(m0, m1),
         "checks": {"one_message_per_workspace": count == n},
     }
+    if statements is not None:
+        run["pg_stat_statements_top"] = statements
+    return run
 
 
 # ============================================================================ profile pass
@@ -1067,8 +1073,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="how often a run disturbed by other work is run again; the last one counts (2)")
     p.add_argument("--idle-busy", type=float, default=0.5, help="cores busy that count as nearly idle (0.5)")
     p.add_argument("--pg-stat-statements", action="store_true",
-                   help="diagnostic: preload pg_stat_statements (track_planning on) and record each broadcast "
-                        "run's top statements")
+                   help="diagnostic: preload pg_stat_statements (track_planning on) and record each run's top "
+                        "statements")
     p.add_argument("--profile", action="store_true",
                    help="after the measured runs: each side once more on a server under cProfile (where time goes)")
     p.add_argument("--profile-top", type=int, default=30, help="functions listed per profile table (30)")

@@ -88,7 +88,7 @@ async def public_rosters(conn: asyncpg.Connection, scope_ids: list[str]) -> dict
 
 async def roster_entries(conn: asyncpg.Connection, scope_id: str) -> dict[str, RosterEntry]:
     """The scope actor's roster: who may write here and receives its events."""
-    roster = (await roster_entries_of(conn, [scope_id])).get(scope_id, {})
+    roster = _rosters(await conn.fetch(_ROSTER.format(scopes="r.scope_id = $1"), scope_id)).get(scope_id, {})
     if not roster and await _is_task(conn, scope_id):
         return await tasks.task_roster_entries(conn, scope_id)
     return roster
@@ -96,16 +96,23 @@ async def roster_entries(conn: asyncpg.Connection, scope_id: str) -> dict[str, R
 
 async def roster_entries_of(conn: asyncpg.Connection, scope_ids: list[str]) -> dict[str, dict[str, RosterEntry]]:
     """roster_entries of many scopes in one statement, a task's left out (it has no rows of its own)."""
-    # The state by a keyed lookup per member, not a join: right after a bulk open (a service
-    # account's audience) the settings table has no statistics yet, and the join's plan was
-    # quadratic — 6.7 s for a 9,000-member roster instead of 30 ms (bench/service_accounts.py).
-    rows = await conn.fetch(
-        f"SELECT r.scope_id, r.member_id, mem.kind, r.visibility, r.owner_member_id, r.last_read_seq, "
-        f"r.effective_from_seq, coalesce((SELECT n.state FROM scope_notification_settings n "
-        f"WHERE n.scope_id = r.scope_id AND n.member_id = r.member_id), 'active') AS notification_state "
-        f"FROM {ENTITLED_MEMBERSHIP_JOIN.format(m='r', mem='mem')} WHERE r.scope_id = ANY($1::text[])",
-        scope_ids,
-    )
+    return _rosters(await conn.fetch(_ROSTER.format(scopes="r.scope_id = ANY($1::text[])"), scope_ids))
+
+
+# The state by a keyed lookup per member, not a join: right after a bulk open (a service
+# account's audience) the settings table has no statistics yet, and the join's plan was
+# quadratic — 6.7 s for a 9,000-member roster instead of 30 ms (bench/service_accounts.py).
+# One scope is `= $1`, not a one-element array: that plan is kept generic, an array's was
+# planned again on every call.
+_ROSTER = (
+    "SELECT r.scope_id, r.member_id, mem.kind, r.visibility, r.owner_member_id, r.last_read_seq, "
+    "r.effective_from_seq, coalesce((SELECT n.state FROM scope_notification_settings n "
+    "WHERE n.scope_id = r.scope_id AND n.member_id = r.member_id), 'active') AS notification_state "
+    f"FROM {ENTITLED_MEMBERSHIP_JOIN.format(m='r', mem='mem')} WHERE {{scopes}}"
+)
+
+
+def _rosters(rows: list[asyncpg.Record]) -> dict[str, dict[str, RosterEntry]]:
     rosters: dict[str, dict[str, RosterEntry]] = {}
     for r in rows:
         rosters.setdefault(r["scope_id"], {})[r["member_id"]] = RosterEntry(
