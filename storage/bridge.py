@@ -217,6 +217,11 @@ class Database:
             command_timeout=self.settings.command_timeout,
             timeout=self.settings.connect_timeout,
             server_settings=settings,
+            # Pooled connections stay open however long they idle (asyncpg closes them after 300 s):
+            # a fresh backend introspects the types again (~18 ms of planning each), prepares every
+            # statement again and warms its catalog caches — what a burst after five quiet minutes
+            # paid (bench/broadcast.py's cold runs: 0.7 s of introspection planning alone).
+            max_inactive_connection_lifetime=0,
         )
 
     async def _close_pool(self) -> None:

@@ -96,7 +96,11 @@ async def roster_entries(conn: asyncpg.Connection, scope_id: str) -> dict[str, R
 
 async def roster_entries_of(conn: asyncpg.Connection, scope_ids: list[str]) -> dict[str, dict[str, RosterEntry]]:
     """roster_entries of many scopes in one statement, a task's left out (it has no rows of its own)."""
-    return _rosters(await conn.fetch(_ROSTER.format(scopes="r.scope_id = ANY($1::text[])"), scope_ids))
+    # Scope by scope (a lateral join): with the scopes as an array the planner joined all their
+    # memberships at once, ~3× the cost per row of the one-scope plan.
+    return _rosters(await conn.fetch(
+        f"SELECT roster.* FROM unnest($1::text[]) AS wanted(scope_id) CROSS JOIN LATERAL "
+        f"({_ROSTER.format(scopes='r.scope_id = wanted.scope_id')}) roster", scope_ids))
 
 
 # The state by a keyed lookup per member, not a join: right after a bulk open (a service
