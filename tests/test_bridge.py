@@ -47,6 +47,12 @@ async def test_units_of_work_run_concurrently_and_return_values(db: Database):
     assert sorted(results) == sorted(n * 1000 + i for n in range(32) for i in range(20))
 
 
+async def test_idle_pooled_connections_are_kept(db: Database):
+    """README: pooled connections stay open while idle (asyncpg closes them after 300 s by
+    default; a fresh backend prepares every statement and introspects types again)."""
+    assert db._pool._max_inactive_connection_lifetime == 0
+
+
 async def test_transaction_commits_on_return_and_rolls_back_on_error(db: Database):
     await db.run(lambda c: c.execute("CREATE TABLE t (v int)"))
 
