@@ -19,6 +19,10 @@ CHANNEL = "scopewire_bus"
 # PostgreSQL's limit is 8000 bytes; the header (node id, seq) takes the rest.
 MAX_INLINE_BYTES = 7_800
 SPILLED = "*"  # never base64
+# A NOTIFY takes a transaction id, so its commit waited for a WAL flush (an fsync per bus
+# message, as many as the owner's own commits).  Nothing here needs to outlive a crash (the
+# bus is not durable, the receivers replay from the log), so the commit does not wait.
+_NOT_DURABLE = "set_config('synchronous_commit', 'off', true)"
 
 
 def _inline(node_id: str, bus_seq: int, payload: bytes) -> str | None:
@@ -42,14 +46,15 @@ async def notify(conn: asyncpg.Connection, node_id: str, first_seq: int, payload
         texts.append(text)
     if not spilled_seqs:
         # unnest yields the array in order, and the notifications queue in that order.
-        await conn.execute("SELECT count(pg_notify($1, t)) FROM unnest($2::text[]) AS t", CHANNEL, texts)
+        await conn.execute(f"SELECT {_NOT_DURABLE}, count(pg_notify($1, t)) FROM unnest($2::text[]) AS t",
+                           CHANNEL, texts)
         return
     # The spilled rows commit with the notifications (a data-modifying WITH always runs), so
     # they are there when the notifications arrive.
     await conn.execute(
         "WITH spill AS (INSERT INTO cluster_bus_spill (node_id, bus_seq, payload) "
         "SELECT $3, s, p FROM unnest($4::bigint[], $5::bytea[]) AS u(s, p)) "
-        "SELECT count(pg_notify($1, t)) FROM unnest($2::text[]) AS t",
+        f"SELECT {_NOT_DURABLE}, count(pg_notify($1, t)) FROM unnest($2::text[]) AS t",
         CHANNEL, texts, node_id, spilled_seqs, spilled_payloads)
 
 
