@@ -33,6 +33,7 @@ from domain.platform import BroadcastSnapshot, Lease, client_message_id
 from domain.plan import ActorContext
 from storage import leases
 from storage import platform as store
+from storage import platform_assets
 from storage.errors import DatabaseUnavailable, LeaseLost, NotFound, StorageError
 from storage.ids import new_id
 
@@ -81,6 +82,7 @@ class AcceptBroadcast(PlatformCommand):
     content: str
     message_type: str
     correlation_id: str
+    asset_ids: tuple[str, ...] = ()
 
 
 @dataclass
@@ -122,6 +124,7 @@ class PlatformAccountActor:
         self.lease = lease  # (node, epoch) every write transaction is fenced by; None: no leases
         self.lease_lost = False
         self.stopped = False
+        self.draining = False  # a clean shutdown: the commands queued finish, no pass starts
         self.services = services
         self.db = services.db
         self.settings = services.settings
@@ -152,8 +155,13 @@ class PlatformAccountActor:
             raise self._stopped_error() from None
         return await command.reply.wait()
 
+    def drain(self) -> None:
+        """Stop after the commands already queued (a clean shutdown)."""
+        self.draining = True
+        self._wake.set()
+
     def _stopped_error(self) -> StorageError:
-        if self.lease_lost:  # the registry runs the command at the new owner
+        if self.lease_lost or self.draining:  # the registry runs the command at the (next) owner
             return LeaseLost(f"this node no longer owns platform account {self.account_id}")
         return DatabaseUnavailable("the platform account's actor stopped; retry")
 
@@ -180,9 +188,10 @@ class PlatformAccountActor:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._serve_commands, nursery.cancel_scope)
                 await self._advance_loop()
-                # The account is gone (or another node took it): no new command; the one being
-                # handled still answers (its transaction may have committed), the queued ones meet
-                # the missing row (or the fence, and the registry runs them at the new owner).
+                # The account is gone (or another node took it, or this node is shutting down): no
+                # new command; the one being handled still answers (its transaction may have
+                # committed), the queued ones run (or meet the missing row or the fence, and the
+                # registry runs them at the new owner).
                 self.mailbox.close()
         finally:
             self.stopped = True
@@ -196,7 +205,7 @@ class PlatformAccountActor:
     async def _advance_loop(self) -> None:
         failures = 0
         async with trio.open_nursery() as deliveries:
-            while not self.deleted and not self.lease_lost:
+            while not self.deleted and not self.lease_lost and not self.draining:
                 self._wake = trio.Event()
                 full, self._full_pass_due = self._full_pass_due, False
                 try:
@@ -220,7 +229,10 @@ class PlatformAccountActor:
                     continue
                 if not await self._sleep(failures):
                     self._full_pass_due = True  # the timer: look at every kind of work again
-            deliveries.cancel_scope.cancel()
+            if not self.draining:
+                deliveries.cancel_scope.cancel()
+            # Draining, the deliveries leased here run to the end: cancelled, their leases would keep
+            # them from the next owner until they expire.
 
     async def _sleep(self, failures: int) -> bool:
         """Until woken (True) or the next timed work is due (False)."""
@@ -263,7 +275,7 @@ class PlatformAccountActor:
         return await self._write(
             store.accept_broadcast, account_id=self.account_id, operator_id=command.operator_id,
             client_broadcast_id=command.client_broadcast_id, title=command.title, content=command.content,
-            message_type=command.message_type, correlation_id=command.correlation_id)
+            message_type=command.message_type, correlation_id=command.correlation_id, asset_ids=command.asset_ids)
 
     async def _update(self, command: UpdateProfile) -> Any:
         return await self._write(store.update_profile, self.account_id, command.expected_version,
@@ -351,7 +363,8 @@ class PlatformAccountActor:
             row = await self.db.run(store.broadcast, broadcast_id)
             snapshot = BroadcastSnapshot(row["id"], row["platform_service_account_id"], row["broadcast_seq"],
                                          row["title"], row["content"], bytes(row["payload_digest"]),
-                                         row["operator_id"], row["correlation_id"])
+                                         row["operator_id"], row["correlation_id"],
+                                         tuple(platform_assets.manifest_of(row)))
             self._snapshots[broadcast_id] = snapshot
         return snapshot
 
@@ -423,6 +436,8 @@ class PlatformRegistry:
         self._nursery = nursery
         self._actors: dict[str, PlatformAccountActor] = {}
         self._acquiring: dict[str, trio.Event] = {}
+        self.draining = False
+        self._all_stopped: trio.Event | None = None
         # Actors start in this context, not in that of the request whose command started them.
         self._context = contextvars.copy_context()
 
@@ -440,11 +455,29 @@ class PlatformRegistry:
         finally:
             if self._actors.get(actor.account_id) is actor:
                 del self._actors[actor.account_id]
+            if not self._actors and self._all_stopped is not None:
+                self._all_stopped.set()
+
+    async def drain(self) -> None:
+        """A clean shutdown's first step, before the scope actors drain: no command starts here
+        any more (a forwarded one goes back to its sender, which finds the next owner once this
+        node's leases are freed; a local one answers unavailable), the commands already queued
+        finish, and every actor stops.  The caller bounds the wait."""
+        self.draining = True
+        if self._actors:
+            self._all_stopped = trio.Event()
+            for actor in list(self._actors.values()):
+                actor.drain()
+            await self._all_stopped.wait()
 
     async def _route(self, account_id: str, *, forwarded: bool) -> PlatformAccountActor | Any:
         """This node's actor for the account (taking the lease when no live node holds it), or
         the owning node (an actors.registry.Owner).  A forwarded command never goes further."""
         while True:
+            if self.draining:
+                if forwarded:
+                    raise LeaseLost(f"node {self.services.node_id} is shutting down")
+                raise DatabaseUnavailable("this node is shutting down; retry")
             actor = self._actors.get(account_id)
             if actor is not None and not actor.stopped:
                 return actor
@@ -461,6 +494,8 @@ class PlatformRegistry:
             finally:
                 del self._acquiring[account_id]
                 done.set()
+            if self.draining:
+                continue  # the lease goes with this node's others
             if owner.node_id == ownership.node_id:
                 return self._start(account_id, (owner.node_id, owner.epoch))
             if forwarded:

@@ -8,7 +8,9 @@ lease token, version and expiry, the workspace's placement epoch, and the
 instance's cursor (the previous broadcast seq is applied here).  A stale fence
 refuses with its reason and commits nothing.  The delivered settlement and
 the instance cursor commit with the message, so a lost reply leaves a
-delivery that no later lease can take again."""
+delivery that no later lease can take again.  So do the broadcast's
+attachments: each asset of its manifest becomes a workspace attachment
+(mapped by delivery and asset ordinal) that the message claims."""
 
 from __future__ import annotations
 
@@ -23,10 +25,13 @@ from domain.platform import DELIVERY_PERMISSION_BASIS, BroadcastSnapshot, Lease,
 from domain.plan import ActorContext, DeliveryPolicy, MessageIntent, MessagePlan, OutboxEvent, ScopeContext
 from domain.service_accounts import POST_MESSAGE_TYPE
 from storage import applier
+from storage import attachments as attachment_rows
 from storage import platform as store
+from storage import platform_assets
 from storage import service_accounts as accounts
 from storage.errors import Conflict
 from storage.human_lifecycle import record_audit
+from storage.ids import new_id
 
 
 @dataclass
@@ -55,6 +60,13 @@ async def deliver(actor: ScopeActor, conn: asyncpg.Connection, state: ScopeConte
     if account["audience_state"] == "provisioning" or not account["grant_live"]:
         raise Refused("conflict", "the local account's audience or grant is not ready", "audience_not_ready")
     author = account["author_member_id"]
+    try:
+        attachments = await platform_assets.materialize(
+            conn, delivery_id=lease.delivery_id, workspace_id=state.workspace_id, scope_id=state.scope_id,
+            author_member_id=author, manifest=list(broadcast.assets),
+            attachment_ids=[new_id("att") for _ in broadcast.assets]) if broadcast.assets else []
+    except Conflict as exc:
+        raise Refused("conflict", str(exc), exc.reason) from None
     # No idempotency lookup: the delivered settlement commits with the message, so a fence that passed
     # means no earlier attempt wrote it; the unique message key on the deterministic client id backs that.
     client_id = client_message_id(broadcast.broadcast_id)
@@ -67,7 +79,9 @@ async def deliver(actor: ScopeActor, conn: asyncpg.Connection, state: ScopeConte
                        membership_mutations=(), explain=(),
                        outbox=(OutboxEvent("message", "message.created",
                                            DeliveryPolicy.AUTONOMOUS_STORE_RECOVERABLE),))
-    message, = await applier.insert_messages(conn, state.workspace_id, state.scope_id, [plan])
+    message, = await applier.insert_messages(conn, state.workspace_id, state.scope_id, [plan],
+                                             attachments=[[attachment_rows.info(row) for row in attachments]]
+                                             if attachments else None)
     await record_audit(conn, workspace_id=state.workspace_id, service_account_id=account["id"],
                        subject_type="message", subject_id=message.id, subject_version=1, action="message.created",
                        actor_type="system", actor_member_id=None, permission_basis=DELIVERY_PERMISSION_BASIS,

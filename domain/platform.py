@@ -36,6 +36,8 @@ class BroadcastSnapshot:
     payload_digest: bytes
     operator_id: str
     correlation_id: str
+    # The frozen asset manifest (storage/platform_assets.py manifest_entry), in order.
+    assets: tuple[dict, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,19 @@ provisioning has reached the generation captured at acceptance, and then
 delivered to each targeted workspace as an ordinary message of that
 workspace's instance, in broadcast-seq order per workspace, exactly once.
 
+A broadcast may carry attachments: the operator uploads each file as a
+platform asset of the account (`platform.asset.upload.begin` / `.chunk` /
+`.finish`, checked as a workspace attachment upload is — size, declared
+SHA-256, content type against the bytes; the same `details.reason` values) and
+names the stored assets in `platform.broadcast.create` (`asset_ids`, in
+order).  The broadcast freezes their manifest (asset id, SHA-256, type, size,
+filename, label; covered by `payload_digest`), the assets stay immutable from
+then on, and every workspace delivery materializes each as an attachment of
+the delivered message in the message's own transaction (its
+`metadata.attachments`, read with `attachment.get` / `attachment.read` by
+whoever may read the message; the bytes are stored once).  An asset no
+broadcast references is deleted after the deployment's unclaimed-upload TTL.
+
 Errors carry `details.reason`; every list takes an opaque `cursor`
 (a malformed one: `invalid`, reason `bad_cursor`).
 """
@@ -28,6 +41,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from protocol.attachments import ByteSize, Chunk, ContentType, Filename, Label, Offset, Sha256
 from protocol.frames import Cursor, Id, Limit, Ok, Request
 
 AccountName = Annotated[str, msgspec.Meta(min_length=1, max_length=80)]
@@ -39,6 +53,10 @@ BroadcastBody = Annotated[str, msgspec.Meta(min_length=1, max_length=40000)]
 ProvisioningState = Literal["provisioning", "ready"]
 BroadcastState = Literal["waiting_provisioning", "accepted", "dispatching", "completed",
                          "completed_with_exceptions", "closed"]
+# Attachments one broadcast may carry.
+MAX_BROADCAST_ASSETS = 10
+AssetIds = Annotated[list[Id], msgspec.Meta(max_length=MAX_BROADCAST_ASSETS)]
+AssetState = Literal["uploading", "stored"]
 DeliveryState = Literal["queued", "leased", "waiting_instance", "waiting_audience", "retry_wait",
                         "operator_attention", "delivered", "closed", "skipped"]
 
@@ -107,12 +125,16 @@ class BroadcastCreate(Request, tag="platform.broadcast.create"):
     The same (account, operator, `client_broadcast_id`) with the same title and
     content returns the same broadcast (`replayed`); with another:
     `idempotency_conflict`.  Content hitting the deployment's moderation keywords:
-    `content_blocked` (a moderation log entry is written, nothing else)."""
+    `content_blocked` (a moderation log entry is written, nothing else).
+    `asset_ids`: this account's stored assets, attached in this order to every
+    workspace's message (each at most once; an unknown, unfinished or other
+    account's asset: `not_found`, reason `asset_not_found`)."""
 
     platform_service_account_id: Id
     client_broadcast_id: ClientKey
     title: BroadcastTitle
     content: BroadcastBody
+    asset_ids: AssetIds = []
 
 
 class BroadcastGet(Request, tag="platform.broadcast.get"):
@@ -164,9 +186,53 @@ class PlatformAuditList(Request, tag="platform.audit.list"):
     limit: Limit = 50
 
 
+# --- assets (a broadcast's attachments) -------------------------------------------------------------------
+
+class PlatformAssetUploadBegin(Request, tag="platform.asset.upload.begin"):
+    """Start uploading a file a broadcast of this account can carry: as
+    `attachment.upload.begin` (allowed types, size limit, optional `sha256`,
+    `label` defaulting to the filename), with the same quota of unreferenced
+    uploads per operator."""
+
+    platform_service_account_id: Id
+    filename: Filename
+    content_type: ContentType
+    byte_size: ByteSize
+    sha256: Sha256 | None = None
+    label: Label | None = None
+
+
+class PlatformAssetUploadChunk(Request, tag="platform.asset.upload.chunk"):
+    """The next bytes of your asset upload, at `offset` = the bytes received so far
+    (as `attachment.upload.chunk`)."""
+
+    asset_id: Id
+    offset: Offset
+    data: Chunk
+
+
+class PlatformAssetUploadFinish(Request, tag="platform.asset.upload.finish"):
+    """Check and store a fully received asset (as `attachment.upload.finish`)."""
+
+    asset_id: Id
+
+
+class PlatformAssetUploadAbort(Request, tag="platform.asset.upload.abort"):
+    """Delete an asset no broadcast carries yet (one that a broadcast carries:
+    `conflict`, reason `asset_in_use`)."""
+
+    asset_id: Id
+
+
+class PlatformAssetGet(Request, tag="platform.asset.get"):
+    asset_id: Id
+
+
 FRAMES: tuple[type[Request], ...] = (
     PlatformSubscribe, PlatformAccountCreate, PlatformAccountList, PlatformAccountGet, PlatformAccountUpdate, PlatformAccountDelete, PlatformInstanceList,
     BroadcastCreate, BroadcastGet, BroadcastList, BroadcastDeliveryList, BroadcastDeliveryRetry, BroadcastDeliverySettleSkip, PlatformAuditList,
+    PlatformAssetUploadBegin, PlatformAssetUploadChunk, PlatformAssetUploadFinish, PlatformAssetUploadAbort,
+    PlatformAssetGet,
 )
 
 
@@ -239,6 +305,36 @@ class TargetCounts(msgspec.Struct):
     generation_excluded: int
 
 
+class PlatformAssetInfo(msgspec.Struct, omit_defaults=True):
+    id: str
+    platform_service_account_id: str
+    uploaded_by_operator_id: str
+    filename: str
+    label: str
+    content_type: str
+    byte_size: int
+    state: AssetState
+    received_bytes: int
+    created_at_ms: int
+    max_chunk_bytes: int
+    # A broadcast carries it: immutable, kept while its account lives.
+    referenced: bool
+    sha256: str | None = None
+    # Until then an unreferenced asset is kept (absent once referenced).
+    expires_at_ms: int | None = None
+
+
+class BroadcastAsset(msgspec.Struct):
+    """One entry of a broadcast's frozen asset manifest."""
+
+    asset_id: str
+    filename: str
+    label: str
+    content_type: str
+    byte_size: int
+    sha256: str
+
+
 class BroadcastInfo(msgspec.Struct, omit_defaults=True):
     id: str
     platform_service_account_id: str
@@ -257,6 +353,7 @@ class BroadcastInfo(msgspec.Struct, omit_defaults=True):
     sequenced_at_ms: int | None = None
     completed_at_ms: int | None = None
     replayed: bool = False
+    assets: list[BroadcastAsset] = []
 
 
 class BroadcastPage(msgspec.Struct, omit_defaults=True):
@@ -313,6 +410,8 @@ RESULTS: dict[type[Request], type[msgspec.Struct]] = {
     PlatformInstanceList: PlatformInstancePage, BroadcastCreate: BroadcastInfo, BroadcastGet: BroadcastInfo,
     BroadcastList: BroadcastPage, BroadcastDeliveryList: BroadcastDeliveryPage, BroadcastDeliveryRetry: BroadcastDeliveryInfo,
     BroadcastDeliverySettleSkip: BroadcastDeliveryInfo, PlatformAuditList: PlatformAuditPage,
+    PlatformAssetUploadBegin: PlatformAssetInfo, PlatformAssetUploadChunk: PlatformAssetInfo,
+    PlatformAssetUploadFinish: PlatformAssetInfo, PlatformAssetUploadAbort: Ok, PlatformAssetGet: PlatformAssetInfo,
 }
 
 

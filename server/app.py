@@ -264,6 +264,8 @@ class Server:
             try:
                 await self._serve(stop, task_status=task_status)
                 with trio.move_on_after(self.config.shutdown_grace_seconds):
+                    if self.platform is not None:  # first: its deliveries run in scope actors
+                        await self.platform.drain()
                     await self.registry.drain()
                     await settler.drain()
                     await self.cluster.close_links()

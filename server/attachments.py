@@ -19,6 +19,7 @@ import tempfile
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 import asyncpg
@@ -26,6 +27,7 @@ import trio
 
 from protocol.errors import ErrorCode, ProtocolError
 from storage import attachments as rows
+from storage import platform_assets
 from storage.blobs import BlobMissing, BlobStore, BlobStoreUnavailable, LocalBlobs, S3Blobs
 from storage.errors import DatabaseUnavailable
 from storage.ids import new_id
@@ -124,25 +126,45 @@ class Attachments:
     async def begin(self, server: Server, *, workspace_id: str, scope_id: str, member_id: str, filename: str,
                     label: str | None, content_type: str, byte_size: int,
                     sha256: str | None) -> asyncpg.Record:
-        if byte_size > self.config.max_attachment_bytes:
-            raise _error(ErrorCode.TOO_LARGE, f"larger than {self.config.max_attachment_bytes} bytes",
-                         "file_too_large", max_bytes=self.config.max_attachment_bytes)
-        if not self.type_allowed(content_type):
-            raise _error(ErrorCode.INVALID, f"content type {content_type} is not allowed here",
-                         "content_type_not_allowed")
+        self._check_declared(content_type, byte_size)
         attachment_id = new_id("att")
-
         row = await server.db.transaction(
             rows.create_upload, attachment_id=attachment_id, workspace_id=workspace_id, scope_id=scope_id,
             uploader=member_id, driver=self.default_driver, object_key=f"{workspace_id}/{attachment_id}",
             filename=filename, label=label or filename, content_type=content_type, byte_size=byte_size,
             declared_sha256=sha256, max_unclaimed_bytes=self.config.max_unclaimed_upload_bytes,
             max_unclaimed_uploads=self.config.max_unclaimed_uploads)
+        return await self._staged_upload(row, attachment_id)
+
+    async def begin_asset(self, server: Server, *, account_id: str, operator_id: str, filename: str,
+                          label: str | None, content_type: str, byte_size: int,
+                          sha256: str | None) -> asyncpg.Record:
+        """A platform asset's upload (storage/platform_assets.py): the same checks and quota
+        (unreferenced uploads per operator), staged and stored like an attachment's."""
+        self._check_declared(content_type, byte_size)
+        asset_id = new_id("pas")
+        row = await server.db.transaction(
+            platform_assets.create_upload, asset_id=asset_id, account_id=account_id, operator_id=operator_id,
+            driver=self.default_driver, object_key=f"platform/{account_id}/{asset_id}", filename=filename,
+            label=label or filename, content_type=content_type, byte_size=byte_size, declared_sha256=sha256,
+            max_unclaimed_bytes=self.config.max_unclaimed_upload_bytes,
+            max_unclaimed_uploads=self.config.max_unclaimed_uploads)
+        return await self._staged_upload(row, asset_id)
+
+    def _check_declared(self, content_type: str, byte_size: int) -> None:
+        if byte_size > self.config.max_attachment_bytes:
+            raise _error(ErrorCode.TOO_LARGE, f"larger than {self.config.max_attachment_bytes} bytes",
+                         "file_too_large", max_bytes=self.config.max_attachment_bytes)
+        if not self.type_allowed(content_type):
+            raise _error(ErrorCode.INVALID, f"content type {content_type} is not allowed here",
+                         "content_type_not_allowed")
+
+    async def _staged_upload(self, row: asyncpg.Record | None, upload_id: str) -> asyncpg.Record:
         if row is None:
             raise _error(ErrorCode.TOO_LARGE, "too many unclaimed uploads: send or abort some first",
                          "upload_quota_exceeded", max_unclaimed_bytes=self.config.max_unclaimed_upload_bytes,
                          max_unclaimed_uploads=self.config.max_unclaimed_uploads)
-        await trio.to_thread.run_sync(self.staged(attachment_id).touch)
+        await trio.to_thread.run_sync(self.staged(upload_id).touch)
         return row
 
     def upload_in_progress(self, attachment_id: str, workspace_id: str, member_id: str) -> asyncpg.Record | None:
@@ -209,13 +231,15 @@ class Attachments:
             progress.row = row
             return progress.received
 
-    async def finish(self, server: Server, row: asyncpg.Record) -> asyncpg.Record:
+    async def finish(self, server: Server, row: asyncpg.Record, store: ModuleType = rows) -> asyncpg.Record:
+        """`store`: the row functions of the upload's kind (storage/attachments.py, or
+        storage/platform_assets.py for a platform asset)."""
         if row["upload_state"] == "stored":
             return row
         progress = await self._progress_of(row["id"])
         async with progress.lock:
             if self._progress.get(row["id"]) is not progress:  # finished or deleted while this waited
-                current = await server.db.run(rows.upload, row["id"])
+                current = await server.db.run(store.upload, row["id"])
                 if current is None or current["upload_state"] != "stored":
                     raise _not_found()
                 return current
@@ -235,7 +259,7 @@ class Attachments:
                     self._progress.pop(row["id"], None)
                     raise _not_found() from None
             if problem is not None:
-                await self._delete(server, row)
+                await self._delete(server, row, store)
                 raise problem
             driver = self._driver(row["storage_driver"])
             try:
@@ -245,7 +269,7 @@ class Attachments:
             except BlobStoreUnavailable as exc:
                 raise ProtocolError(ErrorCode.UNAVAILABLE, "the attachment store cannot be reached; finish again "
                                     "later", details={"reason": "store_unavailable"}) from exc
-            stored = await server.db.transaction(rows.mark_stored, row["id"], digest)
+            stored = await server.db.transaction(store.mark_stored, row["id"], digest)
             self._progress.pop(row["id"], None)
         if stored is None:  # collected while being stored: the collector may have missed the object
             try:
@@ -263,10 +287,10 @@ class Attachments:
                                                        "server", details={"reason": "store_unavailable"})
         return driver
 
-    async def _delete(self, server: Server, row: asyncpg.Record) -> bool:
+    async def _delete(self, server: Server, row: asyncpg.Record, store: ModuleType) -> bool:
         """Delete an unclaimed upload now (its lock held): False when a message claimed it
         first.  Bytes the store cannot delete now are left to the collector."""
-        marked = await server.db.transaction(rows.collect_unclaimed, row["id"])
+        marked = await server.db.transaction(store.collect_unclaimed, row["id"])
         self._progress.pop(row["id"], None)
         if marked is None:
             return False
@@ -279,7 +303,7 @@ class Attachments:
                 await driver.delete(marked["storage_object_key"])
         except BlobStoreUnavailable:
             return True  # the row stays marked: the collector's next pass retries
-        await server.db.transaction(rows.delete_collected, [row["id"]])
+        await server.db.transaction(store.delete_collected, [row["id"]])
         return True
 
     async def _content_problem(self, row: asyncpg.Record) -> ProtocolError | None:
@@ -303,12 +327,12 @@ class Attachments:
             return None
         return _error(ErrorCode.INVALID, f"the bytes are {problem}, not {content_type}", "content_type_mismatch")
 
-    async def discard(self, server: Server, row: asyncpg.Record) -> None:
+    async def discard(self, server: Server, row: asyncpg.Record, store: ModuleType = rows) -> bool:
         """Delete an unclaimed upload: its row, its staging file, its object (after a
-        chunk or a finish in progress: they hold the upload's lock)."""
+        chunk or a finish in progress: they hold the upload's lock).  False when a message
+        claimed it (a broadcast referenced it) meanwhile."""
         async with (await self._progress_of(row["id"])).lock:
-            if not await self._delete(server, row):
-                raise _not_found()  # a message claimed it meanwhile
+            return await self._delete(server, row, store)
 
     # --- read -----------------------------------------------------------------------------------------
 
@@ -317,9 +341,11 @@ class Attachments:
         if row["upload_state"] != "stored" or offset >= size:
             return b"", True
         length = min(length, size - offset)
-        driver = self._driver(row["storage_driver"])
+        # A platform broadcast's attachment reads its asset's bytes (stored once for every workspace).
+        shared = row.get("asset_storage_object_key")
+        driver = self._driver(row["asset_storage_driver"] if shared is not None else row["storage_driver"])
         try:
-            data = await driver.read(row["storage_object_key"], offset, length)
+            data = await driver.read(shared if shared is not None else row["storage_object_key"], offset, length)
         except BlobStoreUnavailable as exc:
             raise ProtocolError(ErrorCode.UNAVAILABLE, "the attachment store cannot be reached; retry later",
                                 details={"reason": "store_unavailable"}) from exc
@@ -332,13 +358,17 @@ class Attachments:
 
     async def collect_garbage(self, server: Server, now: datetime) -> int:
         """Delete uploads unclaimed since before now - TTL and the attachments of withdrawn
-        messages: marked first (never claimed nor read after), then their bytes, then the
+        messages, and likewise platform assets no broadcast references and those of deleted
+        accounts: marked first (never claimed nor read after), then their bytes, then the
         rows.  The number deleted; a row whose bytes the store could not delete stays
         marked for the next pass."""
         cutoff = now - timedelta(seconds=self.config.unclaimed_upload_ttl_seconds)
+        return (await self._collect(server, rows, cutoff)) + (await self._collect(server, platform_assets, cutoff))
+
+    async def _collect(self, server: Server, store: ModuleType, cutoff: datetime) -> int:
         total = 0
         while True:
-            taken = await server.db.transaction(rows.take_garbage, cutoff, GC_BATCH)
+            taken = await server.db.transaction(store.take_garbage, cutoff, GC_BATCH)
             done = []
             for row in taken:
                 self._progress.pop(row["id"], None)
@@ -352,7 +382,7 @@ class Attachments:
                                 extra={"attachment_id": row["id"], "error": str(exc)})
                     continue
                 done.append(row["id"])
-            await server.db.transaction(rows.delete_collected, done)
+            await server.db.transaction(store.delete_collected, done)
             total += len(done)
             if len(taken) < GC_BATCH or len(done) < len(taken):
                 return total

@@ -16,8 +16,8 @@ from protocol import frames as f
 from protocol import results
 from protocol.errors import ErrorCode, ProtocolError
 from server import messaging, realtime
-from server.ops import (attachments, collaboration, deliveries, platform, private_agents, search, service_accounts,
-                        strands)
+from server.ops import (attachments, collaboration, deliveries, platform, platform_assets, private_agents, search,
+                        service_accounts, strands)
 from server import tenancy as ops
 from server.context import RequestContext
 
@@ -274,7 +274,7 @@ IN_WORKSPACE: dict[type, Handler] = {
     **search.HANDLERS,
 }
 # A platform operator's ops (and only these for an operator).
-PLATFORM: dict[type, Handler] = dict(platform.HANDLERS)
+PLATFORM: dict[type, Handler] = {**platform.HANDLERS, **platform_assets.HANDLERS}
 assert set(PUBLIC) | set(AUTHENTICATED) | set(IN_WORKSPACE) | set(PLATFORM) == set(f.CLIENT_FRAMES), \
     "every op needs a handler"
 

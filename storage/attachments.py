@@ -70,9 +70,13 @@ async def delete_collected(conn: asyncpg.Connection, attachment_ids: list[str]) 
 async def readable(conn: asyncpg.Connection, workspace_id: str, viewer: str,
                    attachment_id: str) -> asyncpg.Record | None:
     """The attachment if `viewer` may read it: its own unclaimed upload, or one whose
-    message the readable predicate of history lets it read (and is not withdrawn)."""
+    message the readable predicate of history lets it read (and is not withdrawn).  A
+    platform broadcast's attachment also names where its asset's bytes are
+    (`asset_storage_driver`, `asset_storage_object_key`)."""
     return await conn.fetchrow(
-        f"SELECT a.* FROM attachments a WHERE a.id = $3 AND a.workspace_id = $1 "
+        f"SELECT a.*, p.storage_driver AS asset_storage_driver, p.storage_object_key AS asset_storage_object_key "
+        f"FROM attachments a LEFT JOIN platform_service_account_assets p ON p.id = a.platform_asset_id "
+        f"WHERE a.id = $3 AND a.workspace_id = $1 "
         f"AND a.upload_state <> 'collecting' AND CASE "
         f"WHEN a.message_id IS NULL THEN a.uploaded_by_member_id = $2 "
         f"ELSE EXISTS (SELECT 1 FROM scope_messages m WHERE m.scope_id = a.scope_id AND m.id = a.message_id "

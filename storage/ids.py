@@ -61,6 +61,7 @@ PREFIXES = frozenset(
         "psi",  # platform account's workspace instance
         "pbc",  # platform broadcast
         "pbd",  # platform broadcast delivery
+        "pas",  # platform asset (an operator's upload a broadcast carries)
         "pml",  # platform moderation log entry
         "pae",  # platform audit event
         "nod",  # a server process (node)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import asyncpg
 
+from domain.platform import PLATFORM_CHANNEL
 from storage.errors import LeaseLost, NotFound
 
 
@@ -63,11 +64,18 @@ async def renew_node(conn: asyncpg.Connection, node_id: str, ttl_seconds: float)
 
 
 async def stop_node(conn: asyncpg.Connection, node_id: str) -> None:
-    """A clean shutdown: everything this node owns is free at once (epochs kept)."""
+    """A clean shutdown: everything this node owns is free at once (epochs kept).  A platform
+    account's work goes on without a command, so the other nodes hear that accounts were freed
+    and claim them now rather than at their next periodic pass."""
+    freed_accounts = 0
     for kind in KINDS:
-        await conn.execute(f"UPDATE {kind.table} SET node_id = NULL WHERE node_id = $1", node_id)
+        result = await conn.execute(f"UPDATE {kind.table} SET node_id = NULL WHERE node_id = $1", node_id)
+        if kind is PLATFORM_ACCOUNTS:
+            freed_accounts = int(result.split()[-1])
     await conn.execute("UPDATE cluster_nodes SET stopped_at = now(), heartbeat_at = now(), lease_expires_at = now() "
                        "WHERE node_id = $1", node_id)
+    if freed_accounts:
+        await conn.execute("SELECT pg_notify($1, '*')", PLATFORM_CHANNEL)
 
 
 async def acquire(conn: asyncpg.Connection, key: str, node_id: str, *, creating: bool = False,

@@ -19,7 +19,7 @@ import msgspec
 
 from domain.platform import RETRYABLE_STATES, SETTLED_STATES, Lease
 from domain.service_accounts import normalize_name
-from storage import applier, deliveries, human_lifecycle, tenancy
+from storage import applier, deliveries, human_lifecycle, platform_assets, tenancy
 from storage.bridge import lift_transaction_bound
 from storage.errors import Conflict, NotFound
 from storage.human_lifecycle import record_audit
@@ -30,9 +30,14 @@ from storage.service_accounts import create_substrate, hold_workspace
 _canonical = msgspec.json.Encoder(order="sorted")
 
 
-def broadcast_digest(title: str, content: str, message_type: str) -> bytes:
-    """The canonical MessagePlan digest of a broadcast (idempotency and the workspace snapshot check)."""
-    return hashlib.sha256(_canonical.encode({"title": title, "content": content, "type": message_type})).digest()
+def broadcast_digest(title: str, content: str, message_type: str, manifest: list[dict] | None = None) -> bytes:
+    """The canonical MessagePlan digest of a broadcast (idempotency and the workspace snapshot check):
+    with its attachments, their ordered asset refs, content hashes, types, sizes and labels."""
+    canonical = {"title": title, "content": content, "type": message_type}
+    if manifest:
+        canonical["assets"] = [[a["asset_id"], a["sha256"], a["content_type"], a["byte_size"], a["label"]]
+                               for a in manifest]
+    return hashlib.sha256(_canonical.encode(canonical)).digest()
 
 
 # --- operators ----------------------------------------------------------------------------------------
@@ -363,7 +368,8 @@ async def instances(conn: asyncpg.Connection, account_id: str, after: str | None
 BROADCAST_COLUMNS = (
     "b.id, b.platform_service_account_id, b.operator_id, b.client_broadcast_id, b.payload_digest, b.title, "
     "b.content, b.message_type, b.correlation_id, b.required_provisioning_generation, b.acceptance_ordinal, "
-    "b.broadcast_seq, b.state, b.enumeration_complete, b.version, b.created_at, b.sequenced_at, b.completed_at"
+    "b.broadcast_seq, b.state, b.enumeration_complete, b.version, b.created_at, b.sequenced_at, b.completed_at, "
+    "b.asset_manifest"
 )
 _COUNTS = (
     "count(*) FILTER (WHERE d.recipient_eligible) AS targets, "
@@ -412,11 +418,16 @@ async def record_moderation_block(conn: asyncpg.Connection, *, account_id: str, 
 
 
 async def accept_broadcast(conn: asyncpg.Connection, *, account_id: str, operator_id: str, client_broadcast_id: str,
-                           title: str, content: str, message_type: str, correlation_id: str) -> Accepted:
+                           title: str, content: str, message_type: str, correlation_id: str,
+                           asset_ids: list[str] = ()) -> Accepted:
     """Broadcast acceptance (§4.5): capture the deployment generation G, allocate the next acceptance
-    ordinal under the root lock, save the immutable snapshot with its digest, waiting for provisioning."""
+    ordinal under the root lock, save the immutable snapshot (with its assets' frozen manifest) and
+    its digest, waiting for provisioning."""
     root = await _lock_root(conn, account_id)
-    digest = broadcast_digest(title, content, message_type)
+    manifest = await platform_assets.reference(conn, account_id, list(asset_ids))
+    if manifest is None:
+        raise NotFound("asset")
+    digest = broadcast_digest(title, content, message_type, manifest)
     existing = await conn.fetchrow(
         f"SELECT {BROADCAST_COLUMNS} FROM platform_service_account_broadcasts b WHERE b.platform_service_account_id = $1 "
         "AND b.operator_id = $2 AND b.client_broadcast_id = $3", account_id, operator_id, client_broadcast_id)
@@ -432,9 +443,10 @@ async def accept_broadcast(conn: asyncpg.Connection, *, account_id: str, operato
     await conn.execute(
         "INSERT INTO platform_service_account_broadcasts (id, platform_service_account_id, operator_id, "
         "client_broadcast_id, payload_digest, title, content, message_type, correlation_id, "
-        "required_provisioning_generation, acceptance_ordinal) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
+        "required_provisioning_generation, acceptance_ordinal, asset_manifest) "
+        "VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12::jsonb)",
         broadcast_id, account_id, operator_id, client_broadcast_id, digest, title, content, message_type,
-        correlation_id, generation, ordinal)
+        correlation_id, generation, ordinal, json.dumps(manifest))
     await conn.execute(
         "UPDATE platform_service_accounts SET latest_acceptance_ordinal = $2, updated_at = now() WHERE id = $1",
         account_id, ordinal)

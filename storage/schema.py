@@ -1828,6 +1828,9 @@ platform_service_account_broadcasts = introduced_in(5, Table(
         Column("sequenced_at", TS, nullable=True),
         Column("completed_at", TS, nullable=True),
         Column("updated_at", TS, default=NOW),
+        # The immutable asset manifest (in order: asset id, sha256, type, size, filename, label),
+        # frozen at acceptance and covered by payload_digest.
+        Column("asset_manifest", "jsonb", default="'[]'::jsonb", since=10),
     ),
     primary_key=("id",),
     uniques=(
@@ -1850,6 +1853,8 @@ platform_service_account_broadcasts = introduced_in(5, Table(
         Check("platform_service_account_broadcasts_enumerated",
               "enumeration_complete OR state IN ('waiting_provisioning', 'accepted')"),
         Check("platform_service_account_broadcasts_digest_length", "octet_length(payload_digest) = 32"),
+        Check("platform_service_account_broadcasts_manifest_array", "jsonb_typeof(asset_manifest) = 'array'",
+              since=10),
     ),
     foreign_keys=(
         ForeignKey("platform_service_account_broadcasts_account_fkey", ("platform_service_account_id",),
@@ -2369,6 +2374,9 @@ attachments = introduced_in(7, Table(
         Column("claimed_at", TS, nullable=True),
         # Its message was withdrawn: unreadable at once, its bytes the collector's.
         Column("released_at", TS, nullable=True),
+        # A platform broadcast's attachment: the bytes are this asset's (shared by every workspace
+        # the broadcast reached), and storage_object_key names no object of its own.
+        Column("platform_asset_id", "text", nullable=True, since=10),
     ),
     primary_key=("id",),
     uniques=(Unique("attachments_object_key", ("storage_driver", "storage_object_key")),),
@@ -2393,6 +2401,8 @@ attachments = introduced_in(7, Table(
         tenant_fk("attachments", ("scope_id", "message_id"), "scope_messages", ("scope_id", "id"), "message",
                   on_delete="CASCADE"),
         member_fk("attachments", "uploaded_by_member_id"),
+        ForeignKey("attachments_platform_asset_fkey", ("platform_asset_id",), "platform_service_account_assets",
+                   ("id",), on_delete="CASCADE", since=10),
     ),
     indexes=(
         Index("attachments_message_idx", "scope_id, message_id", where="message_id IS NOT NULL"),
@@ -2402,6 +2412,8 @@ attachments = introduced_in(7, Table(
               where="message_id IS NULL"),
         Index("attachments_released_idx", "released_at", where="released_at IS NOT NULL"),
         Index("attachments_collecting_idx", "id", where="upload_state = 'collecting'"),
+        Index("attachments_platform_asset_idx", "platform_asset_id", where="platform_asset_id IS NOT NULL",
+              since=10),
     ),
 ))
 
@@ -2544,6 +2556,89 @@ platform_account_leases = introduced_in(9, Table(
     indexes=(Index("platform_account_leases_node_idx", "node_id", where="node_id IS NOT NULL"),),
 ))
 
+# --- version 10: platform broadcast attachments (service-account §4.5) ------------------------------
+
+# An operator's upload for a platform account's broadcasts: staged and checked as a workspace
+# attachment is, then frozen once a broadcast references it (never collected while its account
+# lives).  Unreferenced ones expire; an account's delete leaves them to the collector (account NULL).
+platform_service_account_assets = introduced_in(10, Table(
+    "platform_service_account_assets",
+    columns=(
+        Column("id", "text"),
+        Column("platform_service_account_id", "text", nullable=True),
+        Column("uploaded_by_operator_id", "text"),
+        Column("storage_driver", "text"),
+        Column("storage_object_key", "text"),
+        Column("filename", "text"),
+        Column("label", "text"),
+        Column("content_type", "text"),
+        Column("byte_size", "bigint"),
+        Column("content_sha256", "text", nullable=True),
+        Column("upload_state", "text", default="'uploading'"),
+        Column("payload", "jsonb", default="'{}'::jsonb"),
+        Column("created_at", TS, default=NOW),
+        Column("stored_at", TS, nullable=True),
+        Column("referenced_at", TS, nullable=True),  # the first broadcast that carries it
+    ),
+    primary_key=("id",),
+    uniques=(Unique("platform_service_account_assets_object_key", ("storage_driver", "storage_object_key")),),
+    checks=(
+        id_check("platform_service_account_assets", "id", "pas"),
+        enum_check("platform_service_account_assets", "storage_driver", ATTACHMENT_DRIVERS),
+        enum_check("platform_service_account_assets", "upload_state", UPLOAD_STATES),
+        Check("platform_service_account_assets_byte_size_positive", "byte_size > 0"),
+        Check("platform_service_account_assets_sha256_format",
+              "content_sha256 IS NULL OR content_sha256 ~ '^[0-9a-f]{64}$'"),
+        Check("platform_service_account_assets_stored_has_digest",
+              "upload_state <> 'stored' OR (content_sha256 IS NOT NULL AND stored_at IS NOT NULL)"),
+        Check("platform_service_account_assets_uploading_has_no_digest",
+              "upload_state <> 'uploading' OR (content_sha256 IS NULL AND stored_at IS NULL)"),
+        Check("platform_service_account_assets_referenced_was_stored",
+              "referenced_at IS NULL OR stored_at IS NOT NULL"),
+        Check("platform_service_account_assets_payload_object", "jsonb_typeof(payload) = 'object'"),
+    ),
+    foreign_keys=(
+        ForeignKey("platform_service_account_assets_account_fkey", ("platform_service_account_id",),
+                   "platform_service_accounts", ("id",), on_delete="SET NULL"),
+        ForeignKey("platform_service_account_assets_operator_fkey", ("uploaded_by_operator_id",),
+                   "platform_operators", ("id",)),
+    ),
+    indexes=(
+        Index("platform_service_account_assets_account_idx", "platform_service_account_id, id"),
+        # The collector: unreferenced uploads by age, and the assets of deleted accounts.
+        Index("platform_service_account_assets_unreferenced_idx", "created_at", where="referenced_at IS NULL"),
+        Index("platform_service_account_assets_orphan_idx", "id", where="platform_service_account_id IS NULL"),
+        Index("platform_service_account_assets_operator_idx", "uploaded_by_operator_id",
+              where="referenced_at IS NULL"),
+    ),
+))
+
+# Delivery asset ordinal → the workspace attachment it became: written in the delivery's message
+# transaction, so a delivery's assets are materialized exactly once.
+platform_service_account_delivery_assets = introduced_in(10, Table(
+    "platform_service_account_delivery_assets",
+    columns=(
+        Column("delivery_id", "text"),
+        Column("asset_ordinal", "integer"),
+        Column("workspace_id", "text"),
+        Column("asset_id", "text"),
+        Column("attachment_id", "text"),
+        Column("created_at", TS, default=NOW),
+    ),
+    primary_key=("delivery_id", "asset_ordinal"),
+    uniques=(Unique("platform_service_account_delivery_assets_attachment_key", ("attachment_id",)),),
+    checks=(Check("platform_service_account_delivery_assets_ordinal", "asset_ordinal >= 0"),),
+    foreign_keys=(
+        ForeignKey("platform_service_account_delivery_assets_delivery_fkey", ("delivery_id",),
+                   "platform_service_account_broadcast_deliveries", ("id",), on_delete="CASCADE"),
+        ForeignKey("platform_service_account_delivery_assets_asset_fkey", ("asset_id",),
+                   "platform_service_account_assets", ("id",), on_delete="CASCADE"),
+        ForeignKey("platform_service_account_delivery_assets_attachment_fkey", ("attachment_id",),
+                   "attachments", ("id",), on_delete="CASCADE"),
+    ),
+    indexes=(Index("platform_service_account_delivery_assets_asset_idx", "asset_id"),),
+))
+
 # Bus messages too big for a NOTIFY payload: the notification names this row instead.
 cluster_bus_spill = introduced_in(8, Table(
     "cluster_bus_spill",
@@ -2634,6 +2729,8 @@ SCHEMA = Schema(
         scope_leases,
         cluster_bus_spill,
         platform_account_leases,
+        platform_service_account_assets,
+        platform_service_account_delivery_assets,
     ),
     versions=(
         Version(1, "tenancy kernel and message domain",
@@ -2663,6 +2760,8 @@ SCHEMA = Schema(
         )),
         Version(8, "scale-out: nodes, scope ownership leases with fencing epochs, the cross-node bus's spill"),
         Version(9, "scale-out: platform account ownership leases with fencing epochs"),
+        Version(10, "platform broadcast attachments: operators' assets, the broadcast's frozen asset manifest, "
+                    "per-delivery asset mappings to workspace attachments"),
     ),
     extensions=EXTENSIONS,
 )

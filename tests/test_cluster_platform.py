@@ -14,6 +14,7 @@ import trio
 from server.ops.platform import create_operator
 from storage import leases
 from storage import platform as platform_store
+from storage import tenancy
 from storage.errors import LeaseLost
 from tests.conftest import App
 from tests.platform_helpers import (broadcast, conversation_messages, create_platform_account, get_account, operator,
@@ -187,3 +188,44 @@ async def _fenced_delete(conn: asyncpg.Connection, account, operator_id: str):
     async with conn.transaction():
         await leases.pass_fence(conn, account["id"], "owner", 1, kind=leases.PLATFORM_ACCOUNTS)
         return await platform_store.delete_account(conn, account["id"], account["version"], operator_id, "req_test")
+
+
+async def test_a_clean_shutdown_of_the_owner_mid_broadcast_hands_the_account_over_with_no_failed_attempt(
+        database_dsn, nursery, tenants):
+    """The owner's shutdown drains its platform actors before its scope actors: deliveries in
+    flight finish at the first attempt, none is dispatched into a draining scope registry (where it
+    would be refused and retried later), and the account moves to the other node at once."""
+    nodes = Nodes(nursery, database_dsn)
+    first, second = await nodes.start(2)
+
+    async def more_workspaces(conn) -> None:
+        instance = await tenancy.instance_id(conn)
+        for index in range(10):
+            await tenancy.create_workspace(conn, instance_id=instance, name=f"W{index}", slug=f"w{index}",
+                                           type="team", owner_email=f"owner-w{index}@example.com",
+                                           owner_display_name=f"Owner {index}", owner_password_hash=None,
+                                           single_edition=False)
+    await first.db.transaction(more_workspaces)
+    async with operator(first, "creator") as creator, operator(second, "second") as on_second:
+        account = await create_platform_account(creator, "News")
+        await wait_ready(creator, account["id"])
+        assert (await _lease(first, account["id"]))["node_id"] == first.server.node_id
+        sent = await broadcast(creator, account["id"], "b-1", content="through a shutdown")
+        with trio.fail_after(10):
+            while not await first.db.run(lambda conn: conn.fetchval(
+                    "SELECT count(*) FROM platform_service_account_broadcast_deliveries "
+                    "WHERE broadcast_id = $1 AND state = 'delivered'", sent["id"])):
+                await trio.sleep(0.005)  # the moment to stop at: the first delivery committed
+        nodes.stops[0].cancel()  # the owner shuts down with the broadcast's deliveries under way
+        with trio.fail_after(20):
+            assert (await wait_broadcast_done(on_second, sent["id"]))["state"] == "completed"
+    rows = await second.db.run(lambda conn: conn.fetch(
+        "SELECT state, attempt, last_error FROM platform_service_account_broadcast_deliveries "
+        "WHERE broadcast_id = $1", sent["id"]))
+    assert len(rows) == 12
+    assert [(r["state"], r["attempt"], r["last_error"]) for r in rows] == [("delivered", 1, None)] * 12
+    # The other node claims the account as soon as the owner's shutdown frees it (a NOTIFY), not at
+    # its periodic pass (every 200 s here).
+    with trio.fail_after(10):
+        while tuple(await _lease(second, account["id"])) != (second.server.node_id, 2):
+            await trio.sleep(0.05)

@@ -73,25 +73,7 @@ async def test_a_broadcast_killed_mid_delivery_lands_exactly_once_everywhere_aft
                            lambda d: d["broadcast"]["id"] == earlier["id"])
 
             blocked = workspaces[4]  # among the first leased, whatever the batch size
-            async with trio.open_nursery() as nursery:
-                holder = await lock_execution_state(db, nursery, blocked)
-                killed = await broadcast(ops, account["id"], "killed")
-                # No event connection survives the kill, so the kill moment is read from the database:
-                # a bounded wait on the precondition (the blocked delivery leased and waiting in its
-                # transaction, others committed), not on the behaviour under test.
-                with trio.fail_after(60):
-                    while True:
-                        states = await delivery_states(db, killed["id"])
-                        if states.get(blocked) == "leased" and "delivered" in states.values():
-                            break
-                        await trio.sleep(0.02)
-                served.process.send_signal(signal.SIGKILL)
-                with trio.fail_after(60):
-                    assert await served.process.wait() == -signal.SIGKILL
-                at_kill = await delivery_states(db, killed["id"])
-                await unlock(db, holder)
-        delivered_at_kill = sum(state == "delivered" for state in at_kill.values())
-        assert 0 < delivered_at_kill < WORKSPACES and at_kill[blocked] == "leased", at_kill
+            killed = await _broadcast_and_kill_mid_delivery(db, ops, served, account["id"], blocked)
 
         served = await start_serve(data_dir, *args, *NODE, *LEASE)
         async with connect(served.url) as conn:
@@ -105,29 +87,105 @@ async def test_a_broadcast_killed_mid_delivery_lands_exactly_once_everywhere_aft
         assert done["state"] == "completed", done
         assert done["targets"]["targets"] == done["targets"]["delivered"] == WORKSPACES, done
 
-        for sent in (earlier, killed):
-            rows = await db.run(lambda c: c.fetch(
-                "SELECT workspace_id, count(*) AS n FROM scope_messages WHERE client_message_id = $1 GROUP BY 1",
-                client_message_id(sent["id"])))
-            assert {r["workspace_id"]: r["n"] for r in rows} == {w: 1 for w in workspaces}
-        # Every workspace's conversation: seqs 1 and 2, the broadcasts in seq order, no gap.
-        rows = await db.run(lambda c: c.fetch(
-            "SELECT m.workspace_id, array_agg(m.seq ORDER BY m.seq) AS seqs, "
-            "array_agg(m.client_message_id ORDER BY m.seq) AS keys FROM scope_messages m "
-            "JOIN service_accounts a ON a.message_scope_id = m.scope_id "
-            "WHERE a.platform_service_account_id = $1 GROUP BY 1", account["id"]))
-        expected_keys = [client_message_id(earlier["id"]), client_message_id(killed["id"])]
-        assert {r["workspace_id"]: (list(r["seqs"]), list(r["keys"])) for r in rows} == {
-            w: ([1, 2], expected_keys) for w in workspaces}
+        await _landed_exactly_once(db, account["id"], workspaces, [earlier, killed])
         # The blocked delivery: the dead process's lease expired and the new node leased it again.
         blocked_row = await db.run(lambda c: c.fetchrow(
             "SELECT state, attempt, placement_epoch FROM platform_service_account_broadcast_deliveries "
             "WHERE broadcast_id = $1 AND workspace_id = $2", killed["id"], blocked))
         assert (blocked_row["state"], blocked_row["attempt"]) == ("delivered", 2), dict(blocked_row)
-        instances = await db.run(lambda c: c.fetch(
-            "SELECT workspace_id, last_applied_broadcast_seq FROM platform_service_account_workspace_instances "
-            "WHERE platform_service_account_id = $1", account["id"]))
-        assert {r["workspace_id"]: r["last_applied_broadcast_seq"] for r in instances} == {w: 2 for w in workspaces}
         served.process.send_signal(signal.SIGTERM)
         with trio.fail_after(60):
             await served.process.wait()
+
+
+async def _broadcast_and_kill_mid_delivery(db: Database, ops: PlatformFeed, served, account_id: str,
+                                           blocked: str) -> dict:
+    """Broadcast, and kill -9 the server once some deliveries committed and `blocked`'s waits in
+    its transaction (its workspace held by the test); the broadcast's BroadcastInfo."""
+    async with trio.open_nursery() as nursery:
+        holder = await lock_execution_state(db, nursery, blocked)
+        killed = await broadcast(ops, account_id, "killed")
+        # The kill moment is read from the database: a bounded wait on the precondition (the
+        # blocked delivery leased and waiting in its transaction, others committed), not on the
+        # behaviour under test.
+        with trio.fail_after(60):
+            while True:
+                states = await delivery_states(db, killed["id"])
+                if states.get(blocked) == "leased" and "delivered" in states.values():
+                    break
+                await trio.sleep(0.02)
+        served.process.send_signal(signal.SIGKILL)
+        with trio.fail_after(60):
+            assert await served.process.wait() == -signal.SIGKILL
+        at_kill = await delivery_states(db, killed["id"])
+        await unlock(db, holder)
+    delivered_at_kill = sum(state == "delivered" for state in at_kill.values())
+    assert 0 < delivered_at_kill < len(at_kill) and at_kill[blocked] == "leased", at_kill
+    return killed
+
+
+async def _landed_exactly_once(db: Database, account_id: str, workspaces: list[str], sent: list[dict]) -> None:
+    """One message per workspace per broadcast, in seq order with no gap, every instance's cursor at the last."""
+    for one in sent:
+        rows = await db.run(lambda c: c.fetch(
+                "SELECT workspace_id, count(*) AS n FROM scope_messages WHERE client_message_id = $1 GROUP BY 1",
+            client_message_id(one["id"])))
+        assert {r["workspace_id"]: r["n"] for r in rows} == {w: 1 for w in workspaces}
+    rows = await db.run(lambda c: c.fetch(
+        "SELECT m.workspace_id, array_agg(m.seq ORDER BY m.seq) AS seqs, "
+        "array_agg(m.client_message_id ORDER BY m.seq) AS keys FROM scope_messages m "
+        "JOIN service_accounts a ON a.message_scope_id = m.scope_id "
+        "WHERE a.platform_service_account_id = $1 GROUP BY 1", account_id))
+    expected = (list(range(1, len(sent) + 1)), [client_message_id(one["id"]) for one in sent])
+    assert {r["workspace_id"]: (list(r["seqs"]), list(r["keys"])) for r in rows} == {w: expected for w in workspaces}
+    instances = await db.run(lambda c: c.fetch(
+        "SELECT workspace_id, last_applied_broadcast_seq FROM platform_service_account_workspace_instances "
+        "WHERE platform_service_account_id = $1", account_id))
+    assert {r["workspace_id"]: r["last_applied_broadcast_seq"] for r in instances} == {
+        w: len(sent) for w in workspaces}
+
+
+async def test_a_broadcast_whose_owner_is_killed_is_finished_by_another_node_exactly_once(
+        tmp_path, database_dsn, member_password_hash):
+    """Two nodes: the account's owner is killed mid-delivery and never comes back; the other node,
+    whose operator saw the broadcast accepted, takes the account once the dead node's lease runs
+    out and finishes the broadcast (the blocked delivery at its second attempt), once everywhere."""
+    args = ("--database-url", database_dsn, "--session-key-file", str(tmp_path / "session-key.pem"),
+            "--node-lease-seconds", "3", *LEASE)
+    await init_instance("--data-dir", str(tmp_path / "init"), "--database-url", database_dsn, "--edition", "multi")
+    async with Database(database_dsn, PoolSettings(min_size=1, max_size=4)) as db:
+        await add_workspaces(db, WORKSPACES - 1, member_password_hash)
+        workspaces = sorted(r["id"] for r in await db.run(lambda c: c.fetch("SELECT id FROM workspaces")))
+        operator_id, _, key = await create_operator(db, "ops")
+        owner = await start_serve(tmp_path / "node-a", *args, "--node-id", "node-a")
+        survivor = await start_serve(tmp_path / "node-b", *args, "--node-id", "node-b")
+        async with connect(owner.url) as on_owner, connect(survivor.url) as on_survivor:
+            feeds = []
+            for conn in (on_owner, on_survivor):
+                await conn.call("auth", operator_key=key)
+                await conn.call("platform.subscribe")
+                feeds.append(PlatformFeed(conn, operator_id, key))
+            ops, watching = feeds
+            account = await create_platform_account(ops, "News")  # its creator, node-a, owns it
+            await wait_ready(ops, account["id"])
+            lease = await db.run(lambda c: c.fetchrow(
+                "SELECT node_id, epoch FROM platform_account_leases WHERE platform_service_account_id = $1",
+                account["id"]))
+            assert (lease["node_id"], lease["epoch"]) == ("node-a", 1)
+            killed = await _broadcast_and_kill_mid_delivery(db, ops, owner, account["id"], workspaces[4])
+            with trio.fail_after(60):
+                done = (await watching.find("platform_service_account.broadcast_completed",
+                                            lambda d: d["broadcast"]["id"] == killed["id"]))["broadcast"]
+        assert done["targets"]["targets"] == done["targets"]["delivered"] == WORKSPACES, done
+        await _landed_exactly_once(db, account["id"], workspaces, [killed])
+        blocked = await db.run(lambda c: c.fetchrow(
+            "SELECT state, attempt FROM platform_service_account_broadcast_deliveries "
+            "WHERE broadcast_id = $1 AND workspace_id = $2", killed["id"], workspaces[4]))
+        assert (blocked["state"], blocked["attempt"]) == ("delivered", 2), dict(blocked)
+        lease = await db.run(lambda c: c.fetchrow(
+            "SELECT node_id, epoch FROM platform_account_leases WHERE platform_service_account_id = $1",
+            account["id"]))
+        assert (lease["node_id"], lease["epoch"]) == ("node-b", 2)
+        survivor.process.send_signal(signal.SIGTERM)
+        with trio.fail_after(60):
+            await survivor.process.wait()

@@ -19,13 +19,14 @@ def test_every_tenant_table_has_a_non_null_workspace_id():
     # Deployment-level by the seeds: the shared Service Actor product registrations and the name
     # namespace that serializes workspace and platform service-account names (service-account §2.1, §2.4);
     # the platform control plane: operators, platform accounts, provisioning inputs, broadcasts, the
-    # moderation log and the platform audit (§2.4, §4.5); the deployment's own machinery: nodes, scope
+    # moderation log, the platform audit and the operators' broadcast assets (§2.4, §4.5); the deployment's own machinery: nodes, scope
     # and platform account ownership leases and the bus spill (no tenant data).  Rows naming one workspace carry its id.
     global_tables = {"instance_metadata", "accounts", "local_credentials", "workspaces", "service_definitions",
                      "service_capabilities", "service_account_name_namespaces", "platform_operators",
                      "platform_operator_keys", "platform_service_accounts",
                      "platform_service_account_provisioning_inputs", "platform_service_account_broadcasts",
                      "platform_moderation_logs", "platform_service_account_audit_events",
+                     "platform_service_account_assets",
                      "cluster_nodes", "scope_leases", "cluster_bus_spill", "platform_account_leases"}
     for table in SCHEMA.tables:
         if table.name in global_tables:

@@ -93,7 +93,8 @@ async def upload_finish(server: Server, connection: Connection, request: a.Attac
 async def upload_abort(server: Server, connection: Connection, request: a.AttachmentUploadAbort,
                        ctx: RequestContext) -> Ok:
     workspace = ctx.require(Permission.MESSAGE_WRITE)
-    await server.attachments.discard(server, await _own_upload(server, workspace, request.attachment_id))
+    if not await server.attachments.discard(server, await _own_upload(server, workspace, request.attachment_id)):
+        raise _not_found()  # a message claimed it meanwhile
     return Ok()
 
 

@@ -29,9 +29,11 @@ from protocol.errors import ErrorCode, ProtocolError
 from server.context import RequestContext
 from server.credentials import generate_secret, secret_hash
 from server.messaging import SYSTEM_ACTOR, _ms
+from server.ops.platform_assets import check_broadcast_assets
 from server.ops.service_accounts import _decode_cursor, _name, _page, _publish, _title, _watchers
 from server.realtime import PushState
 from storage import platform as store
+from storage import platform_assets
 from storage import tenancy
 from storage.errors import DatabaseUnavailable, NotFound, StorageError
 from storage.ids import is_valid_id, new_id
@@ -107,7 +109,10 @@ def broadcast_info(row: Any, counts: Any, replayed: bool = False) -> p.Broadcast
         title=row["title"], content=row["content"], version=row["version"], accepted_at_ms=_ms(row["created_at"]),
         targets=p.TargetCounts(**dict(counts)), broadcast_seq=row["broadcast_seq"],
         sequenced_at_ms=_ms_or_none(row["sequenced_at"]), completed_at_ms=_ms_or_none(row["completed_at"]),
-        replayed=replayed)
+        replayed=replayed, assets=[p.BroadcastAsset(asset_id=entry["asset_id"], filename=entry["filename"],
+                                                    label=entry["label"], content_type=entry["content_type"],
+                                                    byte_size=entry["byte_size"], sha256=entry["sha256"])
+                                   for entry in platform_assets.manifest_of(row)])
 
 
 def delivery_info(row: Any) -> p.BroadcastDeliveryInfo:
@@ -334,8 +339,10 @@ async def broadcast_create(server: Server, connection: Connection, request: p.Br
                                     content=request.content, matched=matched)
         raise ProtocolError(ErrorCode.CONTENT_BLOCKED, "this broadcast cannot be sent",
                             details={"reason": "moderation_keyword"})
+    await check_broadcast_assets(server, account_id, request.asset_ids)
     accepted = await _registry(server).submit(account_id, pa.AcceptBroadcast(
-        operator_id, request.client_broadcast_id, title, request.content, POST_MESSAGE_TYPE, _correlation()))
+        operator_id, request.client_broadcast_id, title, request.content, POST_MESSAGE_TYPE, _correlation(),
+        tuple(request.asset_ids)))
     info = await _broadcast(server, accepted.broadcast["id"], accepted.replayed)
     if not accepted.replayed:
         publish_platform(server, "platform_service_account.broadcast_accepted", p.BroadcastChanged(broadcast=info))
