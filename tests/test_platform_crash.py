@@ -149,7 +149,7 @@ async def test_a_broadcast_whose_owner_is_killed_is_finished_by_another_node_exa
         tmp_path, database_dsn, member_password_hash):
     """Two nodes: the account's owner is killed mid-delivery and never comes back; the other node,
     whose operator saw the broadcast accepted, takes the account once the dead node's lease runs
-    out and finishes the broadcast (the blocked delivery at its second attempt), once everywhere."""
+    out and finishes the broadcast, once everywhere."""
     args = ("--database-url", database_dsn, "--session-key-file", str(tmp_path / "session-key.pem"),
             "--node-lease-seconds", "3", *LEASE)
     await init_instance("--data-dir", str(tmp_path / "init"), "--database-url", database_dsn, "--edition", "multi")
@@ -178,10 +178,13 @@ async def test_a_broadcast_whose_owner_is_killed_is_finished_by_another_node_exa
                                             lambda d: d["broadcast"]["id"] == killed["id"]))["broadcast"]
         assert done["targets"]["targets"] == done["targets"]["delivered"] == WORKSPACES, done
         await _landed_exactly_once(db, account["id"], workspaces, [killed])
+        # The blocked delivery ran in its workspace's scope actor, which may live on either node: on
+        # the dead one its transaction died with it and the survivor leased it again (attempt 2); on
+        # the survivor it committed once the test let go (attempt 1, its fence checked before expiry).
         blocked = await db.run(lambda c: c.fetchrow(
             "SELECT state, attempt FROM platform_service_account_broadcast_deliveries "
             "WHERE broadcast_id = $1 AND workspace_id = $2", killed["id"], workspaces[4]))
-        assert (blocked["state"], blocked["attempt"]) == ("delivered", 2), dict(blocked)
+        assert blocked["state"] == "delivered" and blocked["attempt"] in (1, 2), dict(blocked)
         lease = await db.run(lambda c: c.fetchrow(
             "SELECT node_id, epoch FROM platform_account_leases WHERE platform_service_account_id = $1",
             account["id"]))
