@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 
 from server.bus import BusTransport, Delivery, PgNotifyTransport
 from server.bus_nats import BusPayloadTooLarge, BusUnavailable, NatsTransport
+from storage import cluster_bus
 from storage.bridge import Database, PoolSettings
 
 NATS_BINARY = shutil.which("nats-server") or shutil.which("nats-server", path="/usr/local/sbin:/usr/sbin:/sbin")
@@ -242,6 +243,21 @@ async def test_postgres_payload_over_the_notify_limit_arrives_through_the_spill_
         spilled = await a.db.run(lambda conn: conn.fetch(
             "SELECT bus_seq, payload FROM cluster_bus_spill WHERE node_id = $1 ORDER BY bus_seq", a.node_id))
         assert [(row["bus_seq"], row["payload"]) for row in spilled] == [(2, big)]
+
+
+
+@pytest.mark.parametrize("payloads", [[b"small"], [b"small", b"x" * 50_000]], ids=["inline", "spilled"])
+async def test_a_postgres_bus_send_commits_without_waiting_for_a_wal_flush(database_dsn, payloads):
+    """The bus is not durable, and a NOTIFY takes a transaction id: its commit must not be one
+    more fsync'd commit beside the owner's own."""
+    async with Database(database_dsn, PoolSettings(min_size=1, max_size=1)) as db:
+        async def send_and_look(conn) -> tuple[str, str]:
+            await conn.execute("SET synchronous_commit = on")  # a durable server's (the test cluster's is off)
+            async with conn.transaction():
+                await cluster_bus.notify(conn, "node-x", 1, payloads)
+                inside = await conn.fetchval("SHOW synchronous_commit")  # what this transaction commits with
+            return inside, await conn.fetchval("SHOW synchronous_commit")
+        assert await db.run(send_and_look) == ("off", "on"), "off for the send's transaction only"
 
 
 # --- NATS -------------------------------------------------------------------------------------------
