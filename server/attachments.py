@@ -1,5 +1,6 @@
-"""Attachment uploads and reads (protocol/attachments.py): staging, checks, the
-storage drivers, and the garbage collector.
+"""Attachment uploads and reads (protocol/attachments.py) and platform assets, a
+broadcast's attachments (protocol/platform.py): staging, checks, the storage
+drivers, and the garbage collector.
 
 An upload in progress is a staging file `<attachments dir>/staging/<id>`; its size
 is the truth of how much arrived (a client resumes from it after a reconnect or a
