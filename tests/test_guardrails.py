@@ -13,6 +13,7 @@ from actors.scope_actor import Send
 from server.auth import system_workspace_context
 from storage import applier
 from storage.applier import MESSAGE_DOMAIN_TABLES
+from storage.bridge import lift_transaction_bound
 from storage.ids import new_id
 from tests.conftest import App
 
@@ -60,6 +61,9 @@ async def test_a_send_writes_the_same_rows_whatever_the_audience(app: App, tenan
     member_ids = [new_id("mem") for _ in range(audience - 1)]
 
     async def setup(conn):
+        # A bulk fixture load (10,000 members and memberships), bounded by the test's own timeout rather
+        # than the pool's per-transaction one: on a starved machine it once took past the 60 s bound.
+        await lift_transaction_bound(conn)
         await conn.execute(
             "INSERT INTO members (id, workspace_id, kind, handle, display_name, owner_member_id, visibility) "
             "SELECT m, $1, 'agent', 'bulk-' || m, 'Bulk', $3, 'public' FROM unnest($2::text[]) AS t(m)",
