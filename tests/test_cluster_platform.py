@@ -19,6 +19,7 @@ from storage.errors import LeaseLost
 from tests.conftest import App
 from tests.platform_helpers import (broadcast, conversation_messages, create_platform_account, get_account, operator,
                                     wait_broadcast_done, wait_ready)
+from tests.service_account_helpers import Feed
 from tests.test_cluster_nodes import Nodes
 from tests.test_tenancy import signed_in
 
@@ -206,16 +207,15 @@ async def test_a_clean_shutdown_of_the_owner_mid_broadcast_hands_the_account_ove
                                            owner_display_name=f"Owner {index}", owner_password_hash=None,
                                            single_edition=False)
     await first.db.transaction(more_workspaces)
-    async with operator(first, "creator") as creator, operator(second, "second") as on_second:
+    alpha = tenants[0]  # the oldest workspace: among the first delivered (leases go in workspace-id order)
+    async with operator(first, "creator") as creator, operator(second, "second") as on_second, \
+            await signed_in(first, alpha.owner) as member:
         account = await create_platform_account(creator, "News")
         await wait_ready(creator, account["id"])
         assert (await _lease(first, account["id"]))["node_id"] == first.server.node_id
+        feed = await Feed.open(member, {"workspace_id": alpha.workspace_id})
         sent = await broadcast(creator, account["id"], "b-1", content="through a shutdown")
-        with trio.fail_after(10):
-            while not await first.db.run(lambda conn: conn.fetchval(
-                    "SELECT count(*) FROM platform_service_account_broadcast_deliveries "
-                    "WHERE broadcast_id = $1 AND state = 'delivered'", sent["id"])):
-                await trio.sleep(0.005)  # the moment to stop at: the first delivery committed
+        await feed.wait("message.created", lambda data: data["content"] == "through a shutdown")
         nodes.stops[0].cancel()  # the owner shuts down with the broadcast's deliveries under way
         with trio.fail_after(20):
             assert (await wait_broadcast_done(on_second, sent["id"]))["state"] == "completed"
@@ -225,7 +225,8 @@ async def test_a_clean_shutdown_of_the_owner_mid_broadcast_hands_the_account_ove
     assert len(rows) == 12
     assert [(r["state"], r["attempt"], r["last_error"]) for r in rows] == [("delivered", 1, None)] * 12
     # The other node claims the account as soon as the owner's shutdown frees it (a NOTIFY), not at
-    # its periodic pass (every 200 s here).
+    # its periodic pass (every 200 s here).  No event tells of a claim: the lease row is read until it
+    # moves, bounded well below that pass.
     with trio.fail_after(10):
         while tuple(await _lease(second, account["id"])) != (second.server.node_id, 2):
             await trio.sleep(0.05)

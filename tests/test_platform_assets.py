@@ -10,16 +10,25 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
+import msgspec
 import pytest
+import trio
+import trio_websocket
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from protocol import platform as p
 from protocol.attachments import MAX_CHUNK_BYTES
+from protocol.errors import ErrorCode
 from server.config import ServerConfig
 from tests.conftest import App
 from tests.platform_helpers import (conversation_messages, create_platform_account, operator, wait_broadcast_done,
                                     wait_ready)
+from tests.test_protocol_boundary import HOSTILE, _raw_reply, json_values, msgpack_values, no_error_logs  # noqa: F401
 from tests.test_tenancy import expect_error, signed_in
 
 PNG = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 700  # a little over one chunk
@@ -207,3 +216,54 @@ async def test_unreferenced_assets_expire_and_a_deleted_accounts_assets_are_coll
     await collector.collect_garbage(app.server, now)
     assert _files(attachments_dir) == []
     assert await app.db.run(lambda conn: conn.fetchval("SELECT count(*) FROM platform_service_account_assets")) == 0
+
+
+ASSET_OPS = [p.PlatformAssetUploadBegin, p.PlatformAssetUploadChunk, p.PlatformAssetUploadFinish,
+             p.PlatformAssetUploadAbort, p.PlatformAssetGet, p.BroadcastCreate]
+
+
+async def test_hostile_values_in_every_field_of_the_asset_ops_never_answer_internal(app: App, tenants,
+                                                                                  no_error_logs):
+    """An operator's bad input of any shape to the asset ops (and a broadcast's `asset_ids`) gets a
+    typed error, never `internal`, over JSON and MessagePack."""
+    async with operator(app) as ops:
+        account = await create_platform_account(ops, "Fuzzed")
+        stored = await upload_asset(ops, account["id"], NOTES, filename="n.txt", content_type="text/plain")
+        pending = await ops.call("platform.asset.upload.begin", platform_service_account_id=account["id"],
+                                 filename="p.png", content_type="image/png", byte_size=len(PNG))
+        key = ops.key
+    plausible = {"platform_service_account_id": account["id"], "filename": "f.png", "content_type": "image/png",
+                 "byte_size": 10, "asset_id": pending["id"], "offset": 0, "data": _b64(b"\x89PNG"),
+                 "asset_ids": [stored["id"]], "client_broadcast_id": "fuzz", "title": "t", "content": "c"}
+    token = trio.lowlevel.current_trio_token()
+    seen: set[str] = set()
+    auth = {"op": "auth", "id": "auth", "operator_key": key}
+    async with trio_websocket.open_websocket_url(app.url) as text_ws, \
+            trio_websocket.open_websocket_url(app.url, subprotocols=["scopewire.msgpack"]) as binary_ws:
+        assert (await _raw_reply(text_ws, json.dumps(auth)))["type"] == "result"
+        assert (await _raw_reply(binary_ws, msgspec.msgpack.encode(auth)))["type"] == "result"
+
+        @settings(max_examples=300, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+        @given(data=st.data())
+        def probe(data):
+            op = data.draw(st.sampled_from(ASSET_OPS), label="op")
+            names = [f.name for f in msgspec.structs.fields(op) if f.name != "id"]
+            body = {name: plausible[name] for name in names if name in plausible}
+            binary = data.draw(st.booleans(), label="msgpack")
+            for name in data.draw(st.lists(st.sampled_from(names), unique=True, min_size=1, max_size=2)):
+                usual = plausible.get(name, "")
+                choices = msgpack_values if binary else json_values
+                if isinstance(usual, str):
+                    hostile = st.sampled_from(HOSTILE).map(lambda bad, usual=usual: usual[:4] + bad + usual[4:])
+                    choices = st.one_of(hostile, choices)
+                body[name] = data.draw(choices, label=name)
+            body = {"op": op.__struct_config__.tag, "id": "fuzz", **body}
+            frame = msgspec.msgpack.encode(body) if binary else json.dumps(body)
+            reply = trio.from_thread.run(_raw_reply, binary_ws if binary else text_ws, frame, trio_token=token)
+            assert reply["type"] in ("result", "error"), reply
+            if reply["type"] == "error":
+                assert reply["code"] in {c.value for c in ErrorCode} and reply["code"] != "internal", (frame, reply)
+                seen.add(reply["code"])
+
+        await trio.to_thread.run_sync(probe)
+    assert "invalid" in seen, seen
