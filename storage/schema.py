@@ -2349,6 +2349,29 @@ ATTACHMENT_DRIVERS = ("local", "s3")
 # collecting: being deleted (by the collector or an abort); its bytes may still exist.
 UPLOAD_STATES = ("uploading", "stored", "collecting")
 
+
+def _upload_columns() -> tuple[Column, ...]:
+    """An upload's object, description and state: a workspace attachment's and a platform asset's."""
+    return (Column("storage_driver", "text"), Column("storage_object_key", "text"), Column("filename", "text"),
+            Column("label", "text"), Column("content_type", "text"), Column("byte_size", "bigint"),
+            Column("content_sha256", "text", nullable=True), Column("upload_state", "text", default="'uploading'"),
+            Column("payload", "jsonb", default="'{}'::jsonb"), Column("created_at", TS, default=NOW),
+            Column("stored_at", TS, nullable=True))
+
+
+def _upload_checks(table: str) -> tuple[Check, ...]:
+    return (
+        enum_check(table, "storage_driver", ATTACHMENT_DRIVERS),
+        enum_check(table, "upload_state", UPLOAD_STATES),
+        Check(f"{table}_byte_size_positive", "byte_size > 0"),
+        Check(f"{table}_sha256_format", "content_sha256 IS NULL OR content_sha256 ~ '^[0-9a-f]{64}$'"),
+        Check(f"{table}_stored_has_digest",
+              "upload_state <> 'stored' OR (content_sha256 IS NOT NULL AND stored_at IS NOT NULL)"),
+        Check(f"{table}_uploading_has_no_digest",
+              "upload_state <> 'uploading' OR (content_sha256 IS NULL AND stored_at IS NULL)"),
+        Check(f"{table}_payload_object", "jsonb_typeof(payload) = 'object'"),
+    )
+
 # A file uploaded into a scope (scope-model §3.11): unclaimed (message_id NULL) until a
 # message of its uploader in the same scope claims it in the send's transaction.  Reads
 # follow the owning message's visibility; the row is never a source of it.
@@ -2360,17 +2383,7 @@ attachments = introduced_in(7, Table(
         Column("scope_id", "text"),
         Column("message_id", "text", nullable=True),
         Column("uploaded_by_member_id", "text"),
-        Column("storage_driver", "text"),
-        Column("storage_object_key", "text"),
-        Column("filename", "text"),
-        Column("label", "text"),
-        Column("content_type", "text"),
-        Column("byte_size", "bigint"),
-        Column("content_sha256", "text", nullable=True),
-        Column("upload_state", "text", default="'uploading'"),
-        Column("payload", "jsonb", default="'{}'::jsonb"),
-        Column("created_at", TS, default=NOW),
-        Column("stored_at", TS, nullable=True),
+        *_upload_columns(),
         Column("claimed_at", TS, nullable=True),
         # Its message was withdrawn: unreadable at once, its bytes the collector's.
         Column("released_at", TS, nullable=True),
@@ -2382,18 +2395,10 @@ attachments = introduced_in(7, Table(
     uniques=(Unique("attachments_object_key", ("storage_driver", "storage_object_key")),),
     checks=(
         id_check("attachments", "id", "att"),
-        enum_check("attachments", "storage_driver", ATTACHMENT_DRIVERS),
-        enum_check("attachments", "upload_state", UPLOAD_STATES),
-        Check("attachments_byte_size_positive", "byte_size > 0"),
-        Check("attachments_sha256_format", "content_sha256 IS NULL OR content_sha256 ~ '^[0-9a-f]{64}$'"),
-        Check("attachments_stored_has_digest",
-              "upload_state <> 'stored' OR (content_sha256 IS NOT NULL AND stored_at IS NOT NULL)"),
-        Check("attachments_uploading_has_no_digest",
-              "upload_state <> 'uploading' OR (content_sha256 IS NULL AND stored_at IS NULL)"),
+        *_upload_checks("attachments"),
         Check("attachments_claim_needs_stored", "message_id IS NULL OR upload_state IN ('stored', 'collecting')"),
         Check("attachments_claimed_at_with_message", "(message_id IS NULL) = (claimed_at IS NULL)"),
         Check("attachments_released_was_claimed", "released_at IS NULL OR message_id IS NOT NULL"),
-        Check("attachments_payload_object", "jsonb_typeof(payload) = 'object'"),
     ),
     foreign_keys=(
         tenant_fk("attachments", ("workspace_id", "scope_id"), "scopes", ("workspace_id", "id"), "scope",
@@ -2567,35 +2572,16 @@ platform_service_account_assets = introduced_in(10, Table(
         Column("id", "text"),
         Column("platform_service_account_id", "text", nullable=True),
         Column("uploaded_by_operator_id", "text"),
-        Column("storage_driver", "text"),
-        Column("storage_object_key", "text"),
-        Column("filename", "text"),
-        Column("label", "text"),
-        Column("content_type", "text"),
-        Column("byte_size", "bigint"),
-        Column("content_sha256", "text", nullable=True),
-        Column("upload_state", "text", default="'uploading'"),
-        Column("payload", "jsonb", default="'{}'::jsonb"),
-        Column("created_at", TS, default=NOW),
-        Column("stored_at", TS, nullable=True),
+        *_upload_columns(),
         Column("referenced_at", TS, nullable=True),  # the first broadcast that carries it
     ),
     primary_key=("id",),
     uniques=(Unique("platform_service_account_assets_object_key", ("storage_driver", "storage_object_key")),),
     checks=(
         id_check("platform_service_account_assets", "id", "pas"),
-        enum_check("platform_service_account_assets", "storage_driver", ATTACHMENT_DRIVERS),
-        enum_check("platform_service_account_assets", "upload_state", UPLOAD_STATES),
-        Check("platform_service_account_assets_byte_size_positive", "byte_size > 0"),
-        Check("platform_service_account_assets_sha256_format",
-              "content_sha256 IS NULL OR content_sha256 ~ '^[0-9a-f]{64}$'"),
-        Check("platform_service_account_assets_stored_has_digest",
-              "upload_state <> 'stored' OR (content_sha256 IS NOT NULL AND stored_at IS NOT NULL)"),
-        Check("platform_service_account_assets_uploading_has_no_digest",
-              "upload_state <> 'uploading' OR (content_sha256 IS NULL AND stored_at IS NULL)"),
+        *_upload_checks("platform_service_account_assets"),
         Check("platform_service_account_assets_referenced_was_stored",
               "referenced_at IS NULL OR stored_at IS NOT NULL"),
-        Check("platform_service_account_assets_payload_object", "jsonb_typeof(payload) = 'object'"),
     ),
     foreign_keys=(
         ForeignKey("platform_service_account_assets_account_fkey", ("platform_service_account_id",),
