@@ -28,9 +28,8 @@ from storage import applier
 from storage import attachments as attachment_rows
 from storage import platform as store
 from storage import platform_assets
-from storage import service_accounts as accounts
 from storage.errors import Conflict
-from storage.human_lifecycle import record_audit
+from storage.human_lifecycle import audit_row
 from storage.ids import new_id
 
 
@@ -50,16 +49,14 @@ async def deliver(actor: ScopeActor, conn: asyncpg.Connection, state: ScopeConte
                   command: PlatformDelivery) -> Outcome:
     lease, broadcast = command.lease, command.broadcast
     try:
-        await store.fence_lease(conn, lease)
-        account = await accounts.publish_authority(conn, state.workspace_id, state.scope_id, "")
-        instance = await store.lock_instance_cursor(conn, lease, broadcast.platform_service_account_id)
+        fence = await store.fence_delivery(conn, lease, broadcast.platform_service_account_id, state.scope_id)
     except Conflict as exc:
         raise Refused("conflict", str(exc), exc.reason) from None
-    if account["id"] != instance["local_service_account_id"]:
+    if fence["id"] != fence["local_service_account_id"]:
         raise Refused("conflict", "the instance moved to another local account", "stale_lease")
-    if account["audience_state"] == "provisioning" or not account["grant_live"]:
+    if fence["audience_state"] == "provisioning" or not fence["grant_live"]:
         raise Refused("conflict", "the local account's audience or grant is not ready", "audience_not_ready")
-    author = account["author_member_id"]
+    author = fence["author_member_id"]
     try:
         attachments = await platform_assets.materialize(
             conn, delivery_id=lease.delivery_id, workspace_id=state.workspace_id, scope_id=state.scope_id,
@@ -82,7 +79,7 @@ async def deliver(actor: ScopeActor, conn: asyncpg.Connection, state: ScopeConte
     message, = await applier.insert_messages(conn, state.workspace_id, state.scope_id, [plan],
                                              attachments=[[attachment_rows.info(row) for row in attachments]]
                                              if attachments else None)
-    await record_audit(conn, workspace_id=state.workspace_id, service_account_id=account["id"],
+    audit = audit_row(workspace_id=state.workspace_id, service_account_id=fence["id"],
                        subject_type="message", subject_id=message.id, subject_version=1, action="message.created",
                        actor_type="system", actor_member_id=None, permission_basis=DELIVERY_PERMISSION_BASIS,
                        correlation_id=broadcast.correlation_id, durable_author_member_id=author,
@@ -94,7 +91,7 @@ async def deliver(actor: ScopeActor, conn: asyncpg.Connection, state: ScopeConte
                                 "routing_principal_member_id": author, "notify_principal_member_id": author,
                                 "idempotency_subject_member_id": author, "client_message_id": client_id,
                                 "delivery_id": lease.delivery_id})
-    await store.settle_delivered(conn, lease, instance["id"], message.id)
+    await store.settle_delivered(conn, lease, fence["instance_id"], message.id, audit)
     return Outcome(message, [CommittedEvent("message.created", message.workspace_id, message.scope_id, message.seq,
                                             message.workspace_global_seq, message)])
 

@@ -221,10 +221,11 @@ async def insert_messages(conn: asyncpg.Connection, workspace_id: str, scope_id:
         "ON CONFLICT (workspace_id) DO UPDATE SET latest_global_seq = workspace_message_counters.latest_global_seq + $3 "
         "RETURNING latest_global_seq) "
         "UPDATE scopes SET latest_seq = latest_seq + $3, latest_global_seq = (SELECT latest_global_seq FROM g), "
-        "latest_message_at = now(), updated_at = now() WHERE id = $2 RETURNING latest_seq, latest_global_seq",
+        "latest_message_at = now(), updated_at = now() WHERE id = $2 RETURNING latest_seq, latest_global_seq, "
+        "now() AS created_at",  # the transaction's time: its messages' created_at (the column's default)
         workspace_id, scope_id, count,
     )
-    scope_tail, global_tail = tails["latest_seq"], tails["latest_global_seq"]
+    scope_tail, global_tail, created_at = tails["latest_seq"], tails["latest_global_seq"], tails["created_at"]
     ids = [new_id("msg") for _ in plans]
     seqs = list(range(scope_tail - count + 1, scope_tail + 1))
     global_seqs = list(range(global_tail - count + 1, global_tail + 1))
@@ -232,20 +233,25 @@ async def insert_messages(conn: asyncpg.Connection, workspace_id: str, scope_id:
     for message_metadata, claimed in zip(metadata, attachments or ()):
         if claimed:
             message_metadata["attachments"] = claimed
-    # The messages and their outbox rows in one statement (the outbox has no key on the message).
-    created_at = await conn.fetchval(
+    docs_sql, docs_args = search.docs_insert([
+        search.doc_for(message_id=i, workspace_id=workspace_id, scope_id=scope_id, seq=s, workspace_global_seq=g,
+                       author_member_id=p.actor.member_id, created_at=created_at, content=p.intent.content,
+                       metadata=m)
+        for i, s, g, p, m in zip(ids, seqs, global_seqs, plans, metadata)], 25, replace=False)
+    # The messages, their outbox rows and their search docs in one statement (their keys on the
+    # message are checked at its end).
+    await conn.execute(
         "WITH outbox AS (INSERT INTO scope_fanout_outbox (id, workspace_id, scope_id, message_id, event_ref_type, "
         "event_ref_id, fanout_type, delivery_policy, dedupe_key, payload, execution_generation, next_attempt_at) "
         "SELECT oi, $1, $2, om, ort, ori, oft, odp, odk, op::jsonb, og, now() + make_interval(secs => $24) FROM unnest("
         "$15::text[], $16::text[], $17::text[], $18::text[], $19::text[], $20::text[], $21::text[], $22::text[], "
-        "$23::bigint[]) AS o(oi, om, ort, ori, oft, odp, odk, op, og)) "
+        f"$23::bigint[]) AS o(oi, om, ort, ori, oft, odp, odk, op, og)), docs AS ({docs_sql}) "
         "INSERT INTO scope_messages (id, workspace_id, scope_id, seq, workspace_global_seq, author_member_id, "
         "author_type, notify_principal_member_id, idempotency_subject_member_id, client_message_id, "
         "idempotency_payload_digest, message_type, content, metadata) "
         "SELECT i, $1, $2, s, g, a, at, n, sub, c, d, mt, ct, md::jsonb FROM unnest("
         "$3::text[], $4::bigint[], $5::bigint[], $6::text[], $7::text[], $8::text[], $9::text[], $10::text[], "
-        "$11::bytea[], $12::text[], $13::text[], $14::text[]) AS t(i, s, g, a, at, n, sub, c, d, mt, ct, md) "
-        "RETURNING created_at",
+        "$11::bytea[], $12::text[], $13::text[], $14::text[]) AS t(i, s, g, a, at, n, sub, c, d, mt, ct, md)",
         workspace_id, scope_id, ids, seqs, global_seqs,
         [p.actor.member_id for p in plans], [p.actor.member_kind for p in plans],
         [p.actor.notify_principal_member_id or p.actor.member_id for p in plans],
@@ -254,17 +260,12 @@ async def insert_messages(conn: asyncpg.Connection, workspace_id: str, scope_id:
         [p.digest if p.intent.client_message_id is not None else None for p in plans],
         [p.intent.message_type for p in plans], [p.intent.content for p in plans],
         [json.dumps(m) for m in metadata],
-        *_message_outbox_columns(ids, plans), INLINE_GRACE_SECONDS,
+        *_message_outbox_columns(ids, plans), INLINE_GRACE_SECONDS, *docs_args,
     )
     await _insert_sources(conn, workspace_id, scope_id, ids, plans)
     if attachments:
         await attachment_rows.claim(conn, scope_id, [(a["id"], message_id) for message_id, claimed
                                                      in zip(ids, attachments) for a in claimed])
-    await search.write_docs(conn, [
-        search.doc_for(message_id=i, workspace_id=workspace_id, scope_id=scope_id, seq=s, workspace_global_seq=g,
-                       author_member_id=p.actor.member_id, created_at=created_at, content=p.intent.content,
-                       metadata=m)
-        for i, s, g, p, m in zip(ids, seqs, global_seqs, plans, metadata)], replace=False)
     return [
         CommittedMessage(id=i, workspace_id=workspace_id, scope_id=scope_id, seq=s, workspace_global_seq=g,
                          author_member_id=p.actor.member_id, author_type=p.actor.member_kind,

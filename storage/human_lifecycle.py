@@ -28,28 +28,39 @@ from storage.ids import new_id
 AUDIENCE_CHANNEL = "scopewire_service_audience"
 
 
-async def record_audit(conn: asyncpg.Connection, *, workspace_id: str, service_account_id: str | None,
-                       subject_type: str, subject_id: str, subject_version: int | None, action: str,
-                       actor_type: str, actor_member_id: str | None, permission_basis: str, correlation_id: str,
-                       caused_by_member_id: str | None = None, execution_member_id: str | None = None,
-                       durable_author_member_id: str | None = None, byline_member_id: str | None = None,
-                       message_id: str | None = None, message_version: int | None = None,
-                       before_digest: str | None = None, after_digest: str | None = None,
-                       comment: str | None = None, details: dict[str, Any] | None = None) -> str:
-    """One audit event, in the caller's transaction."""
-    audit_id = new_id("sae")
-    await conn.execute(
-        "INSERT INTO service_account_audit_events (id, workspace_id, service_account_id, subject_type, subject_id, "
-        "subject_version, action, actor_type, actor_member_id, permission_basis, caused_by_member_id, "
-        "execution_member_id, durable_author_member_id, byline_member_id, message_id, message_version, "
-        "correlation_id, before_digest, after_digest, comment, details) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, "
-        "$9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21::jsonb)",
-        audit_id, workspace_id, service_account_id, subject_type, subject_id, subject_version, action, actor_type,
-        actor_member_id, permission_basis, caused_by_member_id, execution_member_id, durable_author_member_id,
-        byline_member_id, message_id, message_version, correlation_id, before_digest, after_digest, comment,
-        json.dumps(details or {}),
-    )
-    return audit_id
+_AUDIT_COLUMNS = (
+    "id, workspace_id, service_account_id, subject_type, subject_id, subject_version, action, actor_type, "
+    "actor_member_id, permission_basis, caused_by_member_id, execution_member_id, durable_author_member_id, "
+    "byline_member_id, message_id, message_version, correlation_id, before_digest, after_digest, comment, details"
+)
+
+
+def audit_insert_sql(first: int) -> str:
+    """The audit insert with its 21 values numbered from `$first` (so another statement can carry it)."""
+    values = ", ".join(f"${n}" for n in range(first, first + 20))
+    return f"INSERT INTO service_account_audit_events ({_AUDIT_COLUMNS}) VALUES ({values}, ${first + 20}::jsonb)"
+
+
+def audit_row(*, workspace_id: str, service_account_id: str | None, subject_type: str, subject_id: str,
+              subject_version: int | None, action: str, actor_type: str, actor_member_id: str | None,
+              permission_basis: str, correlation_id: str, caused_by_member_id: str | None = None,
+              execution_member_id: str | None = None, durable_author_member_id: str | None = None,
+              byline_member_id: str | None = None, message_id: str | None = None,
+              message_version: int | None = None, before_digest: str | None = None,
+              after_digest: str | None = None, comment: str | None = None,
+              details: dict[str, Any] | None = None) -> tuple:
+    """One audit event's values, in audit_insert_sql's order (its id first)."""
+    return (new_id("sae"), workspace_id, service_account_id, subject_type, subject_id, subject_version, action,
+            actor_type, actor_member_id, permission_basis, caused_by_member_id, execution_member_id,
+            durable_author_member_id, byline_member_id, message_id, message_version, correlation_id,
+            before_digest, after_digest, comment, json.dumps(details or {}))
+
+
+async def record_audit(conn: asyncpg.Connection, **event: Any) -> str:
+    """One audit event (audit_row's fields), in the caller's transaction."""
+    row = audit_row(**event)
+    await conn.execute(audit_insert_sql(1), *row)
+    return row[0]
 
 
 async def lock_workspace_policy(conn: asyncpg.Connection, workspace_id: str) -> asyncpg.Record:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import asyncpg
 import msgspec
@@ -25,7 +25,7 @@ from storage.errors import Conflict, NotFound
 from storage.human_lifecycle import record_audit
 from storage.ids import new_id
 from storage.platform_inputs import next_generation, notify, record_input
-from storage.service_accounts import create_substrate, hold_workspace
+from storage.service_accounts import GRANT_LIVE, create_substrate, hold_workspace
 
 _canonical = msgspec.json.Encoder(order="sorted")
 
@@ -661,34 +661,54 @@ async def next_due_seconds(conn: asyncpg.Connection, account_id: str) -> float |
 
 # --- the workspace delivery transaction (run by the local scope's actor) ----------------------------------
 
-async def fence_lease(conn: asyncpg.Connection, lease: Lease) -> None:
-    """The lease half of the execution fence, in the workspace message transaction (the platform root is
-    key-shared first, by the command's prelock): the delivery still carries this lease token and version,
-    unexpired by the clock now (not the transaction's start), and the workspace's placement epoch is the
-    one leased.  One statement: the delivery locked for update, the placement shared.  Raises Conflict
-    with the reason otherwise."""
+async def fence_delivery(conn: asyncpg.Connection, lease: Lease, platform_account_id: str,
+                         scope_id: str) -> asyncpg.Record:
+    """The execution fence of a delivery, in the workspace message transaction (the platform root is
+    key-shared first, by the command's prelock), in one statement that locks in the order every writer
+    uses: the delivery (for update) and the workspace's placement (share), the workspace (key share), the
+    local account owning `scope_id` (share), then the instance (for update) — PostgreSQL locks a row's
+    relations in the order of its FOR clauses (the executor's LockRows node).  The delivery must still carry this lease token and
+    version, unexpired by the clock now (not the transaction's start); the placement epoch must be the
+    one leased; the instance must have applied the previous broadcast seq.  Returns the local account's
+    id, author and audience state with `grant_live`, and the instance's (`instance_id`, `local_service_account_id`); raises
+    Conflict with the reason, or NotFound."""
     row = await conn.fetchrow(
-        "SELECT d.state, d.lease_token, d.version, d.lease_expires_at > clock_timestamp() AS live, "
-        "p.placement_epoch FROM platform_service_account_broadcast_deliveries d JOIN workspace_placements p "
-        "ON p.workspace_id = d.workspace_id WHERE d.id = $1 FOR UPDATE OF d FOR SHARE OF p", lease.delivery_id)
-    if row is None or row["state"] != "leased" or row["lease_token"] != lease.lease_token or \
-            row["version"] != lease.version or not row["live"]:
+        f"SELECT d.state AS delivery_state, d.lease_token, d.version AS delivery_version, "
+        f"d.lease_expires_at > clock_timestamp() AS live, p.placement_epoch, a.id, a.author_member_id, "
+        f"a.audience_state, {GRANT_LIVE} AS grant_live, i.id AS instance_id, i.local_service_account_id, "
+        "i.last_applied_broadcast_seq "
+        "FROM platform_service_account_broadcast_deliveries d "
+        "JOIN workspace_placements p ON p.workspace_id = d.workspace_id "
+        "JOIN workspaces w ON w.id = d.workspace_id "
+        "JOIN service_accounts a ON a.workspace_id = d.workspace_id AND a.message_scope_id = $2 "
+        "JOIN platform_service_account_workspace_instances i ON i.platform_service_account_id = $3 "
+        "AND i.workspace_id = d.workspace_id "
+        "WHERE d.id = $1 FOR UPDATE OF d FOR SHARE OF p FOR KEY SHARE OF w FOR SHARE OF a FOR UPDATE OF i",
+        lease.delivery_id, scope_id, platform_account_id)
+    if row is None:
+        await _missing_fence_row(conn, lease, platform_account_id, scope_id)
+    if row["delivery_state"] != "leased" or row["lease_token"] != lease.lease_token or \
+            row["delivery_version"] != lease.version or not row["live"]:
         raise Conflict("stale_lease", "the delivery's lease is no longer this one")
     if row["placement_epoch"] != lease.placement_epoch:
         raise Conflict("stale_placement", "the workspace moved to another placement epoch")
-
-
-async def lock_instance_cursor(conn: asyncpg.Connection, lease: Lease, platform_account_id: str) -> asyncpg.Record:
-    """The cursor half: the instance (locked after its local account, the order every writer uses) has
-    applied the previous broadcast seq."""
-    instance = await conn.fetchrow(
-        "SELECT * FROM platform_service_account_workspace_instances WHERE platform_service_account_id = $1 "
-        "AND workspace_id = $2 FOR UPDATE", platform_account_id, lease.workspace_id)
-    if instance is None:
-        raise Conflict("stale_lease", "the instance is gone")
-    if instance["last_applied_broadcast_seq"] != lease.broadcast_seq - 1:
+    if row["last_applied_broadcast_seq"] != lease.broadcast_seq - 1:
         raise Conflict("out_of_order", "an earlier broadcast is not applied in this workspace yet")
-    return instance
+    return row
+
+
+async def _missing_fence_row(conn: asyncpg.Connection, lease: Lease, platform_account_id: str,
+                             scope_id: str) -> NoReturn:
+    """Which row of the fence is gone (nothing was locked: the join found no row)."""
+    found = await conn.fetchrow(
+        "SELECT EXISTS (SELECT 1 FROM service_accounts WHERE message_scope_id = $2) AS account, "
+        "EXISTS (SELECT 1 FROM platform_service_account_broadcast_deliveries d JOIN workspace_placements p "
+        "ON p.workspace_id = d.workspace_id WHERE d.id = $1) AS delivery", lease.delivery_id, scope_id)
+    if not found["account"]:
+        raise NotFound("service account")
+    if not found["delivery"]:
+        raise Conflict("stale_lease", "the delivery's lease is no longer this one")
+    raise Conflict("stale_lease", "the instance is gone")
 
 
 async def hold_root(conn: asyncpg.Connection, platform_account_id: str) -> None:
@@ -696,15 +716,18 @@ async def hold_root(conn: asyncpg.Connection, platform_account_id: str) -> None:
     await conn.execute("SELECT 1 FROM platform_service_accounts WHERE id = $1 FOR KEY SHARE", platform_account_id)
 
 
-async def settle_delivered(conn: asyncpg.Connection, lease: Lease, instance_id: str, message_id: str) -> None:
-    """The delivered settlement and the workspace cursor, in the message's own transaction."""
+async def settle_delivered(conn: asyncpg.Connection, lease: Lease, instance_id: str, message_id: str,
+                           audit: tuple) -> None:
+    """The delivered settlement, the workspace cursor and the message's audit event (a
+    human_lifecycle.audit_row), in the message's own transaction — one statement."""
     await conn.execute(
-        "WITH settled AS (UPDATE platform_service_account_broadcast_deliveries SET state = 'delivered', "
+        f"WITH audit AS ({human_lifecycle.audit_insert_sql(5)}), "
+        "settled AS (UPDATE platform_service_account_broadcast_deliveries SET state = 'delivered', "
         "outcome = 'delivered', local_message_id = $2, lease_token = NULL, lease_expires_at = NULL, "
         "last_error = NULL, version = version + 1, updated_at = now() WHERE id = $1) "
         "UPDATE platform_service_account_workspace_instances SET last_applied_broadcast_seq = $4, "
         "version = version + 1, updated_at = now() WHERE id = $3",
-        lease.delivery_id, message_id, instance_id, lease.broadcast_seq)
+        lease.delivery_id, message_id, instance_id, lease.broadcast_seq, *audit)
 
 
 # --- operator actions on a delivery ------------------------------------------------------------------------

@@ -60,26 +60,34 @@ def doc_for_row(row: asyncpg.Record) -> SearchDoc:
                    metadata=json.loads(metadata) if isinstance(metadata, str) else metadata)
 
 
-async def write_docs(conn: asyncpg.Connection, docs: list[SearchDoc], *, replace: bool) -> int:
-    """Insert `docs` (replace: overwrite an existing doc — an edit; else keep it — the
-    backfill meeting a doc the live path wrote).  Returns how many rows were written."""
-    if not docs:
-        return 0
+def docs_insert(docs: list[SearchDoc], first: int, *, replace: bool) -> tuple[str, list[Any]]:
+    """The insert of `docs` (replace: overwrite an existing doc — an edit; else keep it — the backfill
+    meeting a doc the live path wrote), with its parameters numbered from `$first`, and its arguments:
+    so a message's insert can carry its docs in the same statement."""
     conflict = ("DO UPDATE SET has_attachment = EXCLUDED.has_attachment, mention_member_ids = "
                 "EXCLUDED.mention_member_ids, search_text = EXCLUDED.search_text, "
                 "search_vector = EXCLUDED.search_vector" if replace else "DO NOTHING")
-    result = await conn.execute(
-        f"INSERT INTO scope_message_search_docs ({_DOC_COLUMNS}) "
-        f"SELECT i, w, s, q, g, a, c, h, CASE WHEN mm = '' THEN '{{}}'::text[] ELSE string_to_array(mm, ' ') END, "
-        f"tt, to_tsvector('simple', tw) || tr::tsvector FROM unnest($1::text[], $2::text[], $3::text[], "
-        f"$4::bigint[], $5::bigint[], $6::text[], $7::timestamptz[], $8::boolean[], $9::text[], $10::text[], "
-        f"$11::text[], $12::text[]) AS t(i, w, s, q, g, a, c, h, mm, tt, tw, tr) ON CONFLICT (message_id) {conflict}",
+    n = [f"${first + k}" for k in range(12)]
+    sql = (f"INSERT INTO scope_message_search_docs ({_DOC_COLUMNS}) "
+           f"SELECT i, w, s, q, g, a, c, h, CASE WHEN mm = '' THEN '{{}}'::text[] ELSE string_to_array(mm, ' ') END, "
+           f"tt, to_tsvector('simple', tw) || tr::tsvector FROM unnest({n[0]}::text[], {n[1]}::text[], "
+           f"{n[2]}::text[], {n[3]}::bigint[], {n[4]}::bigint[], {n[5]}::text[], {n[6]}::timestamptz[], "
+           f"{n[7]}::boolean[], {n[8]}::text[], {n[9]}::text[], {n[10]}::text[], {n[11]}::text[]) "
+           f"AS t(i, w, s, q, g, a, c, h, mm, tt, tw, tr) ON CONFLICT (message_id) {conflict}")
+    return sql, [
         [d.message_id for d in docs], [d.workspace_id for d in docs], [d.scope_id for d in docs],
         [d.seq for d in docs], [d.workspace_global_seq for d in docs], [d.author_member_id for d in docs],
         [d.created_at for d in docs], [d.has_attachment for d in docs],
         [" ".join(d.mention_member_ids) for d in docs], [d.text for d in docs], [d.words for d in docs],
-        [d.runs for d in docs],
-    )
+        [d.runs for d in docs]]
+
+
+async def write_docs(conn: asyncpg.Connection, docs: list[SearchDoc], *, replace: bool) -> int:
+    """Insert `docs` (see docs_insert).  Returns how many rows were written."""
+    if not docs:
+        return 0
+    sql, args = docs_insert(docs, 1, replace=replace)
+    result = await conn.execute(sql, *args)
     return int(result.rsplit(" ", 1)[-1])
 
 

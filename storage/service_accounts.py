@@ -282,6 +282,11 @@ async def accounts_by_scope(conn: asyncpg.Connection, scope_ids: list[str]) -> d
     return {r["message_scope_id"]: r for r in rows}
 
 
+# Whether account `a`'s message.write grant is live (its installation's grant is active).
+GRANT_LIVE = ("EXISTS (SELECT 1 FROM service_grants g WHERE g.service_installation_id = a.service_installation_id "
+              "AND g.status = 'active')")
+
+
 async def publish_authority(conn: asyncpg.Connection, workspace_id: str, scope_id: str,
                             member_id: str) -> asyncpg.Record:
     """For a post, edit, withdrawal or shared pin, in the actor's transaction: the
@@ -290,9 +295,7 @@ async def publish_authority(conn: asyncpg.Connection, workspace_id: str, scope_i
     active manager who is an active human (§4.1's authority, re-checked at write time)."""
     await hold_workspace(conn, workspace_id)
     row = await conn.fetchrow(
-        f"SELECT {ACCOUNT_COLUMNS}, "
-        "EXISTS (SELECT 1 FROM service_grants g WHERE g.service_installation_id = a.service_installation_id "
-        "AND g.status = 'active') AS grant_live, "
+        f"SELECT {ACCOUNT_COLUMNS}, {GRANT_LIVE} AS grant_live, "
         "EXISTS (SELECT 1 FROM service_account_managers m JOIN members mem ON mem.workspace_id = m.workspace_id "
         "AND mem.id = m.member_id WHERE m.service_account_id = a.id AND m.member_id = $2 AND m.status = 'active' "
         "AND mem.status = 'active' AND mem.kind = 'human') AS is_manager "

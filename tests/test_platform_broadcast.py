@@ -18,6 +18,7 @@ the test lets go.  Waiting is on events or on the protocol's status, never on ti
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 
 import pytest
@@ -543,6 +544,15 @@ async def test_a_stale_lease_or_placement_commits_nothing_and_the_live_lease_com
         "SELECT state, version, lease_token FROM platform_service_account_broadcast_deliveries WHERE id = $1",
         lease.delivery_id))
     assert tuple(still) == ("leased", lease.version, lease.lease_token)
+    # Under the new epoch, a lease claiming a later seq than the one the workspace applies next is
+    # out of order; a delivery the workspace has no instance for finds its instance gone.
+    moved = dataclasses.replace(lease, placement_epoch=epochs[alpha.workspace_id])
+    ahead = await execute(app, dataclasses.replace(moved, broadcast_seq=lease.broadcast_seq + 1), snapshot)
+    assert isinstance(ahead, Refused) and ahead.reason == "out_of_order", ahead
+    elsewhere = await execute(app, dataclasses.replace(moved, delivery_id=live[beta.workspace_id].delivery_id),
+                              snapshot)
+    assert isinstance(elsewhere, Refused) and elsewhere.reason == "stale_lease", elsewhere
+    assert await workspace_writes(app.db, alpha.workspace_id) == untouched
 
 
 # --- operator retry and settle-skip --------------------------------------------------------------
