@@ -342,11 +342,13 @@ class PlatformAccountActor:
         return bool(changed)
 
     async def _dispatch(self, deliveries: trio.Nursery) -> bool:
-        """Lease due heads into free delivery slots: up to twice the concurrency in flight (leased
-        ahead), topped up once half of that is free."""
-        capacity = 2 * self.settings.delivery_concurrency
-        room = capacity - self._in_flight
-        if room < capacity // 2 and self._in_flight:
+        """Lease due heads into free delivery slots: up to three times the concurrency in flight,
+        topped up a concurrency's worth at a time — so while one page runs, the next two are
+        leased with their scope actors started (a page of cold actors takes about as long to
+        start as a page takes to deliver)."""
+        page = self.settings.delivery_concurrency
+        room = 3 * page - self._in_flight
+        if room < page and self._in_flight:
             return False
         heads = await self._write(store.lease_heads, self.account_id, self.services.node_id,
                                            self.settings.lease_seconds, room)
