@@ -14,6 +14,12 @@ For each configuration SUBSCRIBERS:RATE and each side
              it answers auth/subscribe with a result, and for every `message.send` builds
              ONE event frame shaped like scopewire's (same fields, same content) and hands
              it to `websockets.broadcast()` over every subscriber; no storage, no auth.
+  ceiling    the physical ceiling (--role ceiling-server): one epoll loop over raw sockets that
+             frames each event once and, at the end of each loop iteration, writes all of that
+             iteration's frames to every subscriber in ONE send() of the same bytes; no protocol
+             work per recipient, no storage, no auth.  scopewire is held to it (issue 11 goal 1):
+             p99 <= 2x the ceiling's at 1000 x 500 (and keeping up), <= 1.5x at 1000 x 100 and
+             1000 x 50 (and <= 25 ms there), CPU per delivery with PostgreSQL <= 1.5x.
 
 the same subscriber client processes connect (--client-procs processes, each a small
 epoll loop over raw sockets speaking just enough RFC 6455: handshake, masked client
@@ -81,6 +87,7 @@ import collections  # noqa: E402
 import contextlib  # noqa: E402
 import datetime  # noqa: E402
 import functools  # noqa: E402
+import hashlib  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
@@ -108,7 +115,7 @@ from bench.workers import (Worker, collect_reports, command_all, expect_all, ope
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUTPUT = ROOT / "bench" / "results" / "fanout.json"
-SIDES = ("baseline", "scopewire")
+SIDES = ("baseline", "ceiling", "scopewire")
 
 OWNER_EMAIL = "owner@example.com"
 WORKSPACE_SLUG = "bench"
@@ -523,6 +530,189 @@ def run_baseline_server(args: argparse.Namespace) -> int:
     return 0
 
 
+# ============================================================================ ceiling server
+
+WS_GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"  # RFC 6455 §1.3
+
+
+def server_frame(payload: bytes, opcode: int = 1) -> bytes:
+    """An unmasked, final server frame."""
+    n = len(payload)
+    if n < 126:
+        return bytes((0x80 | opcode, n)) + payload
+    if n < 65536:
+        return bytes((0x80 | opcode, 126)) + n.to_bytes(2, "big") + payload
+    return bytes((0x80 | opcode, 127)) + n.to_bytes(8, "big") + payload
+
+
+class _Peer:
+    __slots__ = ("sock", "inbuf", "outbuf", "upgraded", "subscribed")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.inbuf = b""
+        self.outbuf = b""
+        self.upgraded = False
+        self.subscribed = False
+
+
+def _client_frames(peer: _Peer) -> list[tuple[int, bytes]]:
+    """Complete (opcode, unmasked payload) frames at the head of peer.inbuf (final frames only:
+    the clients here never fragment)."""
+    out, buf, i = [], peer.inbuf, 0
+    while len(buf) - i >= 6:
+        opcode, n, head = buf[i] & 0x0F, buf[i + 1] & 0x7F, 2
+        if n == 126:
+            if len(buf) - i < 8:
+                break
+            n, head = int.from_bytes(buf[i + 2:i + 4], "big"), 4
+        elif n == 127:
+            if len(buf) - i < 14:
+                break
+            n, head = int.from_bytes(buf[i + 2:i + 10], "big"), 10
+        if len(buf) - i < head + 4 + n:
+            break
+        mask = buf[i + head:i + head + 4]
+        start = i + head + 4
+        payload = buf[start:start + n]
+        if mask != b"\0\0\0\0":
+            key = int.from_bytes((mask * (n // 4 + 1))[:n], "big")
+            payload = (int.from_bytes(payload, "big") ^ key).to_bytes(n, "big")
+        out.append((opcode, payload))
+        i = start + n
+    peer.inbuf = buf[i:]
+    return out
+
+
+def run_ceiling_server(args: argparse.Namespace) -> int:
+    """The physical ceiling: one epoll loop over raw non-blocking sockets that speaks just enough
+    RFC 6455 and does no protocol work per recipient.  Each message.send's event frame (the
+    baseline's envelope) is built once; at the end of each loop iteration every subscriber gets all
+    the frames published in it in ONE send() of the same pre-framed bytes (queued, and flushed on
+    EPOLLOUT, when the socket's buffer is full).  No storage, no auth, no cursors."""
+    raise_nofile()
+    workspace_id, author = "wsp_00000ceiling00", "mem_00000ceiling00"
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4096)
+    listener.setblocking(False)
+    ep = select.epoll()
+    ep.register(listener.fileno(), select.EPOLLIN)
+    peers: dict[int, _Peer] = {}
+    subscribers: dict[int, _Peer] = {}
+    stop = {"now": False}
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.update(now=True))
+    print(f"ceiling ready on ws://127.0.0.1:{listener.getsockname()[1]}", flush=True)
+
+    def drop(fd: int) -> None:
+        peer = peers.pop(fd, None)
+        subscribers.pop(fd, None)
+        if peer is not None:
+            with contextlib.suppress(OSError):
+                ep.unregister(fd)
+            peer.sock.close()
+
+    def send(fd: int, peer: _Peer, data: bytes) -> None:
+        if peer.outbuf:
+            peer.outbuf += data
+            return
+        try:
+            sent = peer.sock.send(data)
+        except BlockingIOError:
+            sent = 0
+        except OSError:
+            drop(fd)
+            return
+        if sent < len(data):
+            peer.outbuf = data[sent:]
+            ep.modify(fd, select.EPOLLIN | select.EPOLLOUT)
+
+    def answer(fd: int, peer: _Peer, request: dict[str, Any], data: dict[str, Any]) -> None:
+        send(fd, peer, server_frame(json.dumps({"type": "result", "id": request.get("id"), "op": request.get("op"),
+                                                "data": data}, separators=(",", ":")).encode()))
+
+    seq = 0
+    while not stop["now"]:
+        published: list[bytes] = []
+        for fd, events in ep.poll(0.5):
+            if fd == listener.fileno():
+                while True:
+                    try:
+                        sock, _ = listener.accept()
+                    except BlockingIOError:
+                        break
+                    sock.setblocking(False)
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    peers[sock.fileno()] = _Peer(sock)
+                    ep.register(sock.fileno(), select.EPOLLIN)
+                continue
+            peer = peers.get(fd)
+            if peer is None:
+                continue
+            if events & select.EPOLLOUT and peer.outbuf:
+                try:
+                    sent = peer.sock.send(peer.outbuf)
+                except BlockingIOError:
+                    sent = 0
+                except OSError:
+                    drop(fd)
+                    continue
+                peer.outbuf = peer.outbuf[sent:]
+                if not peer.outbuf:
+                    ep.modify(fd, select.EPOLLIN)
+            if not events & (select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR):
+                continue
+            try:
+                chunk = peer.sock.recv(262144)
+            except BlockingIOError:
+                continue
+            except OSError:
+                chunk = b""
+            if not chunk:
+                drop(fd)
+                continue
+            peer.inbuf += chunk
+            if not peer.upgraded:
+                end = peer.inbuf.find(b"\r\n\r\n")
+                if end < 0:
+                    continue
+                head, peer.inbuf = peer.inbuf[:end].decode("latin-1"), peer.inbuf[end + 4:]
+                key = next(line.split(":", 1)[1].strip() for line in head.split("\r\n")
+                           if line.lower().startswith("sec-websocket-key:"))
+                accept = base64.b64encode(hashlib.sha1(key.encode() + WS_GUID).digest()).decode()
+                peer.upgraded = True
+                send(fd, peer, ("HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n"
+                                f"Connection: Upgrade\r\nSec-WebSocket-Accept: {accept}\r\n\r\n").encode())
+            for opcode, payload in _client_frames(peer):
+                if opcode == 8:
+                    drop(fd)
+                    break
+                if opcode == 9:
+                    send(fd, peer, server_frame(payload, 10))
+                    continue
+                if opcode != 1:
+                    continue
+                request = json.loads(payload)
+                if request.get("op") == "message.send":
+                    seq += 1
+                    message_id = f"msg_{seq:014d}"
+                    published.append(server_frame(json.dumps(event_envelope(
+                        workspace_id, request["scope_id"], seq, request["content"], author, message_id),
+                        separators=(",", ":")).encode()))
+                    answer(fd, peer, request, {"id": message_id, "seq": seq})
+                    continue
+                if request.get("op") == "subscribe":
+                    subscribers[fd] = peer
+                answer(fd, peer, request, {})
+        if published:
+            data = b"".join(published)
+            for fd, peer in list(subscribers.items()):
+                send(fd, peer, data)
+    return 0
+
+
 # ============================================================================ scopewire under GC accounting
 
 def run_scopewire_gc_stats(args: argparse.Namespace, rest: list[str]) -> int:
@@ -757,6 +947,11 @@ async def start_server(side: str, fx: Fixture, args: argparse.Namespace, procs: 
             proc = procs.add(await spawn(
                 sys.executable, *launcher, *serve, cwd=ROOT, stdout=subprocess.PIPE, stderr=log))
             url = await read_ready(proc, "scopewire ready on", 180)
+        elif side == "ceiling":
+            proc = procs.add(await spawn(
+                sys.executable, str(Path(__file__).resolve()), "--role", "ceiling-server",
+                cwd=ROOT, stdout=subprocess.PIPE, stderr=log))
+            url = await read_ready(proc, "ceiling ready on", 60)
         else:
             proc = procs.add(await spawn(
                 sys.executable, str(Path(__file__).resolve()), "--role", "baseline-server",
@@ -1048,6 +1243,10 @@ def summarize(runs: list[dict[str, Any]], configs: list[tuple[int, float]]) -> l
                 "other_processes_busy": med(lambda r: r["cpu"]["foreign_busy"]),
                 "server_cpu_us_per_delivery": med(
                     lambda r: r["cpu"]["server_cpu_s"] / r["deliveries"] * 1e6 if r["deliveries"] else None),
+                # With its descendants: scopewire's PostgreSQL (the other sides have none).
+                "total_cpu_us_per_delivery": med(
+                    lambda r: (r["cpu"]["server_cpu_s"] + r["cpu"]["server_descendants_cpu_s"]) / r["deliveries"]
+                    * 1e6 if r["deliveries"] else None),
                 "frame_bytes_mean": med(lambda r: r["frame_bytes_mean"]),
                 "slow_consumer_closes": med(lambda r: r["closes"].get("close 4408", 0)),
                 "kept_up_all": [r["kept_up"] for r in rs],
@@ -1071,12 +1270,58 @@ def summarize(runs: list[dict[str, Any]], configs: list[tuple[int, float]]) -> l
         else:
             row["ratio_deliveries"] = row["ratio_p50"] = row["ratio_p99"] = None
             row["ratio_server_cpu_per_delivery"] = None
+        c = row["ceiling"]
+        row["to_ceiling"] = {
+            "p50": round(s["p50_ms"] / c["p50_ms"], 2) if s and c and s["p50_ms"] and c["p50_ms"] else None,
+            "p99": round(s["p99_ms"] / c["p99_ms"], 2) if s and c and s["p99_ms"] and c["p99_ms"] else None,
+            "cpu_per_delivery": (round(s["total_cpu_us_per_delivery"] / c["total_cpu_us_per_delivery"], 2)
+                                 if s and c and s["total_cpu_us_per_delivery"] and c["total_cpu_us_per_delivery"]
+                                 else None),
+            "p99_per_repeat": [
+                round(x["latency_ms"]["p99"] / y["latency_ms"]["p99"], 2)
+                for x, y in zip([r for r in runs if r["side"] == "scopewire" and r["subscribers"] == subscribers
+                                 and r["rate"] == rate and "error" not in r],
+                                [r for r in runs if r["side"] == "ceiling" and r["subscribers"] == subscribers
+                                 and r["rate"] == rate and "error" not in r])
+                if x["latency_ms"]["p99"] and y["latency_ms"]["p99"]],
+        } if c and s else None
         rows.append(row)
     return rows
 
 
-def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+# Against the physical ceiling (issue 11 goal 1): (subscribers, rate) -> p99 multiple, absolute p99 bound.
+CEILING_TARGETS = {(1000, 500.0): (2.0, None), (1000, 100.0): (1.5, None), (1000, 50.0): (1.5, 25.0)}
+TARGET_CEILING_CPU_RATIO = 1.5
+
+
+def ceiling_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
+    for row in rows:
+        s, c, ratios = row["scopewire"], row["ceiling"], row.get("to_ceiling")
+        if not (s and c and ratios):
+            continue
+        label = f"{row['subscribers']} subscribers, {row['rate']:g} msg/s"
+        kept_up = all(s["kept_up_all"])
+        bound = CEILING_TARGETS.get((row["subscribers"], row["rate"]))
+        if bound is not None:
+            multiple, absolute = bound
+            out.append({"target": f"scopewire keeps up with the offered load ({label})", "value": kept_up,
+                        "met": kept_up})
+            out.append({"target": f"scopewire p99 <= {multiple:g} x the ceiling's p99 ({label})",
+                        "value": ratios["p99"], "per_repeat": ratios["p99_per_repeat"],
+                        "met": ratios["p99"] is not None and ratios["p99"] <= multiple})
+            if absolute is not None:
+                out.append({"target": f"scopewire p99 <= {absolute:g} ms ({label})", "value": s["p99_ms"],
+                            "unit": "ms", "met": s["p99_ms"] is not None and s["p99_ms"] <= absolute})
+        out.append({"target": f"CPU per delivery, scopewire + PostgreSQL <= {TARGET_CEILING_CPU_RATIO:g} x the "
+                              f"ceiling's ({label})", "value": ratios["cpu_per_delivery"],
+                    "met": ratios["cpu_per_delivery"] is not None
+                    and ratios["cpu_per_delivery"] <= TARGET_CEILING_CPU_RATIO})
+    return out
+
+
+def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = ceiling_targets(rows)
     for row in rows:
         label = f"{row['subscribers']} subscribers, {row['rate']:g} msg/s"
         b, s = row["baseline"], row["scopewire"]
@@ -1141,6 +1386,11 @@ def print_tables(rows: list[dict[str, Any]], runs: list[dict[str, Any]], args: a
         print(f"{'':>5} {'':>6} {'ratio':<9} deliveries/s {_f(row['ratio_deliveries'], '.3f')}   "
               f"p50 x{_f(row['ratio_p50'], '.2f')}   p99 x{_f(row['ratio_p99'], '.2f')}   "
               f"server CPU per delivery x{_f(row['ratio_server_cpu_per_delivery'], '.2f')}   (scopewire / baseline)")
+        if row.get("to_ceiling"):
+            t = row["to_ceiling"]
+            print(f"{'':>5} {'':>6} {'ceiling':<9} p50 x{_f(t['p50'], '.2f')}   p99 x{_f(t['p99'], '.2f')} "
+                  f"(per repeat {t['p99_per_repeat']})   CPU per delivery with PostgreSQL "
+                  f"x{_f(t['cpu_per_delivery'], '.2f')}   (scopewire / ceiling)")
     print()
     print("  deliv/s: measured deliveries / (last delivery - first send); * = did not keep up with the offered rate")
     print("    (then deliv/s is that side's capacity on this machine and the latencies are queueing delay);")
@@ -1228,7 +1478,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="small smoke run")
     p.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help=f"JSON output (default {DEFAULT_OUTPUT})")
     # internal roles
-    p.add_argument("--role", choices=("main", "subscribers", "baseline-server", "scopewire-gc-stats"),
+    p.add_argument("--role", choices=("main", "subscribers", "baseline-server", "ceiling-server",
+                                      "scopewire-gc-stats"),
                    default="main", help=argparse.SUPPRESS)
     p.add_argument("--gc-stats-file", help=argparse.SUPPRESS)
     p.add_argument("--url", help=argparse.SUPPRESS)
@@ -1302,6 +1553,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_subscribers(args)
     if args.role == "baseline-server":
         return run_baseline_server(args)
+    if args.role == "ceiling-server":
+        return run_ceiling_server(args)
     if importlib.util.find_spec("websockets") is None:
         print("bench/fanout.py needs the `websockets` package (pip install websockets)", file=sys.stderr)
         return 2
@@ -1353,6 +1606,8 @@ def main(argv: list[str] | None = None) -> int:
                 "stall_s": args.stall, "drain_timeout_s": args.drain_timeout, "sides": args.sides,
                 "baseline": f"websockets.asyncio.server + broadcast(), {args.baseline_loop} loop, compression off, "
                             "no pings; one json.dumps per message",
+                "ceiling": "raw epoll loop (--role ceiling-server): each event framed once, every subscriber "
+                           "gets an iteration's frames in one send() of the same bytes; no storage, no auth",
                 "scopewire": f"python -m server.cli serve (embedded PostgreSQL), --log-level {args.log_level}, "
                              "fresh process per run",
                 "client": "raw-socket epoll loop per process (handshake, zero-key masked client frames, pong); "
@@ -1360,6 +1615,9 @@ def main(argv: list[str] | None = None) -> int:
                 "quick": args.quick, "py_spy": args.py_spy,
             },
             "targets": {"ratio": TARGET_RATIO, "p99_ms": TARGET_P99_MS,
+                        "ceiling": {f"{k[0]}x{k[1]:g}": {"p99_multiple": v[0], "p99_ms": v[1]}
+                                    for k, v in CEILING_TARGETS.items()},
+                        "ceiling_cpu_ratio": TARGET_CEILING_CPU_RATIO,
                         "p99_at": {"subscribers": TARGET_P99_AT[0], "rate": TARGET_P99_AT[1]},
                         "kib_per_idle_authenticated_connection": TARGET_KIB_PER_CONN,
                         "results": verdicts,
