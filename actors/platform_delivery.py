@@ -80,17 +80,17 @@ async def deliver(actor: ScopeActor, conn: asyncpg.Connection, state: ScopeConte
                                              attachments=[[attachment_rows.info(row) for row in attachments]]
                                              if attachments else None)
     audit = audit_row(workspace_id=state.workspace_id, service_account_id=fence["id"],
-                       subject_type="message", subject_id=message.id, subject_version=1, action="message.created",
-                       actor_type="system", actor_member_id=None, permission_basis=DELIVERY_PERMISSION_BASIS,
-                       correlation_id=broadcast.correlation_id, durable_author_member_id=author,
-                       message_id=message.id, message_version=1, after_digest=broadcast.payload_digest.hex(),
-                       details={"platform_service_account_id": broadcast.platform_service_account_id,
-                                "broadcast_id": broadcast.broadcast_id, "broadcast_seq": broadcast.broadcast_seq,
-                                "caused_by_operator_id": broadcast.operator_id,
-                                "execution_actor": "platform_broadcast_delivery",
-                                "routing_principal_member_id": author, "notify_principal_member_id": author,
-                                "idempotency_subject_member_id": author, "client_message_id": client_id,
-                                "delivery_id": lease.delivery_id})
+                   subject_type="message", subject_id=message.id, subject_version=1, action="message.created",
+                   actor_type="system", actor_member_id=None, permission_basis=DELIVERY_PERMISSION_BASIS,
+                   correlation_id=broadcast.correlation_id, durable_author_member_id=author,
+                   message_id=message.id, message_version=1, after_digest=broadcast.payload_digest.hex(),
+                   details={"platform_service_account_id": broadcast.platform_service_account_id,
+                            "broadcast_id": broadcast.broadcast_id, "broadcast_seq": broadcast.broadcast_seq,
+                            "caused_by_operator_id": broadcast.operator_id,
+                            "execution_actor": "platform_broadcast_delivery",
+                            "routing_principal_member_id": author, "notify_principal_member_id": author,
+                            "idempotency_subject_member_id": author, "client_message_id": client_id,
+                            "delivery_id": lease.delivery_id})
     await store.settle_delivered(conn, lease, fence["instance_id"], message.id, audit)
     return Outcome(message, [CommittedEvent("message.created", message.workspace_id, message.scope_id, message.seq,
                                             message.workspace_global_seq, message)])

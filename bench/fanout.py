@@ -546,14 +546,13 @@ def server_frame(payload: bytes, opcode: int = 1) -> bytes:
 
 
 class _Peer:
-    __slots__ = ("sock", "inbuf", "outbuf", "upgraded", "subscribed")
+    __slots__ = ("sock", "inbuf", "outbuf", "upgraded")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.inbuf = b""
         self.outbuf = b""
         self.upgraded = False
-        self.subscribed = False
 
 
 def _client_frames(peer: _Peer) -> list[tuple[int, bytes]]:

@@ -664,17 +664,18 @@ async def next_due_seconds(conn: asyncpg.Connection, account_id: str) -> float |
 async def fence_delivery(conn: asyncpg.Connection, lease: Lease, platform_account_id: str,
                          scope_id: str) -> asyncpg.Record:
     """The execution fence of a delivery, in the workspace message transaction (the platform root is
-    key-shared first, by the command's prelock), in one statement that locks in the order every writer
-    uses: the delivery (for update) and the workspace's placement (share), the workspace (key share), the
-    local account owning `scope_id` (share), then the instance (for update) — PostgreSQL locks a row's
-    relations in the order of its FOR clauses (the executor's LockRows node).  The delivery must still carry this lease token and
-    version, unexpired by the clock now (not the transaction's start); the placement epoch must be the
-    one leased; the instance must have applied the previous broadcast seq.  Returns the local account's
-    id, author and audience state with `grant_live`, and the instance's (`instance_id`, `local_service_account_id`); raises
-    Conflict with the reason, or NotFound."""
+    key-shared first, by the command's prelock), as one statement that locks in the order every
+    writer uses: the delivery (for update) and the workspace's placement (share), the workspace (key
+    share), the local account owning `scope_id` (share), then the instance (for update) — the
+    executor's LockRows node takes a row's relations in the order of its FOR clauses.  The delivery
+    must still carry this lease token and version, unexpired by the clock now (not the transaction's
+    start); the placement epoch must be the one leased; the instance must have applied the previous
+    broadcast seq.  Returns the local account's id, author, audience state and `grant_live`, and the
+    instance's `instance_id` and `local_service_account_id`; raises Conflict with the reason, or
+    NotFound."""
     row = await conn.fetchrow(
-        f"SELECT d.state AS delivery_state, d.lease_token, d.version AS delivery_version, "
-        f"d.lease_expires_at > clock_timestamp() AS live, p.placement_epoch, a.id, a.author_member_id, "
+        "SELECT d.state AS delivery_state, d.lease_token, d.version AS delivery_version, "
+        "d.lease_expires_at > clock_timestamp() AS live, p.placement_epoch, a.id, a.author_member_id, "
         f"a.audience_state, {GRANT_LIVE} AS grant_live, i.id AS instance_id, i.local_service_account_id, "
         "i.last_applied_broadcast_seq "
         "FROM platform_service_account_broadcast_deliveries d "
@@ -686,7 +687,7 @@ async def fence_delivery(conn: asyncpg.Connection, lease: Lease, platform_accoun
         "WHERE d.id = $1 FOR UPDATE OF d FOR SHARE OF p FOR KEY SHARE OF w FOR SHARE OF a FOR UPDATE OF i",
         lease.delivery_id, scope_id, platform_account_id)
     if row is None:
-        await _missing_fence_row(conn, lease, platform_account_id, scope_id)
+        await _missing_fence_row(conn, lease, scope_id)
     if row["delivery_state"] != "leased" or row["lease_token"] != lease.lease_token or \
             row["delivery_version"] != lease.version or not row["live"]:
         raise Conflict("stale_lease", "the delivery's lease is no longer this one")
@@ -697,8 +698,7 @@ async def fence_delivery(conn: asyncpg.Connection, lease: Lease, platform_accoun
     return row
 
 
-async def _missing_fence_row(conn: asyncpg.Connection, lease: Lease, platform_account_id: str,
-                             scope_id: str) -> NoReturn:
+async def _missing_fence_row(conn: asyncpg.Connection, lease: Lease, scope_id: str) -> NoReturn:
     """Which row of the fence is gone (nothing was locked: the join found no row)."""
     found = await conn.fetchrow(
         "SELECT EXISTS (SELECT 1 FROM service_accounts WHERE message_scope_id = $2) AS account, "

@@ -42,6 +42,7 @@ async def test_three_pages_of_deliveries_are_leased_while_one_runs(app: App, ten
         # Every workspace's message transaction waits in its fence check: the running delivery stays running.
         holders = [await lock_execution_state(app.db, nursery, w) for w in workspaces]
         sent = await broadcast(ops, account["id"], "ahead")
+        # Nothing announces a transaction waiting on a row lock: the precondition is read from PostgreSQL.
         with trio.fail_after(30):
             while await _blocked_backends(app, holders) < CONCURRENCY:
                 await trio.sleep(0.05)
