@@ -17,9 +17,10 @@ from actors.scope_actor import Command, Outcome, Refused, ScopeActor, register_c
 from domain.plan import ScopeContext
 from storage import messages, private_authority
 
-# What each scope type may carry (DMs have grants but no Scope Execution).
+# What each scope type may carry (DMs have grants but no Scope Execution), and the
+# Scope Execution's type for each: a task's is the explicit task (collaborator-policy §8.1).
 GRANT_SCOPE_TYPES = ("channel", "dm", "thread")
-COLLABORATOR_SCOPE_TYPES = ("channel", "thread")
+EXECUTION_TYPES = {"channel": "channel", "thread": "thread", "task": "explicit_task"}
 
 
 @dataclass
@@ -92,9 +93,11 @@ async def revoke_grant(actor: ScopeActor, conn: asyncpg.Connection, state: Scope
 @register_command(AddCollaborator)
 async def add_collaborator(actor: ScopeActor, conn: asyncpg.Connection, state: ScopeContext,
                            command: AddCollaborator) -> Outcome:
-    if state.type not in COLLABORATOR_SCOPE_TYPES:
+    if state.type not in EXECUTION_TYPES:
         raise Refused("invalid", f"no collaborators on a {state.type} scope", "scope_type_not_supported")
     _require_owner_member(command, state)
+    if state.type == "task" and state.status != "active":
+        raise Refused("conflict", "the strand is archived", "scope_archived")
     owner = command.actor.member_id
     if command.member_id == owner:
         raise Refused("invalid", "the owner is implicit; you cannot add yourself", "collaborator_is_owner")
@@ -105,8 +108,9 @@ async def add_collaborator(actor: ScopeActor, conn: asyncpg.Connection, state: S
     if member.status != "active":
         raise Refused("invalid", "the member is not active", "collaborator_not_active")
     await _check_expiry(conn, command.expires_at)
+    # A task's (owner, task) row exists only once it carries task-local collaborators (§3.0, §8.1).
     execution_id = await private_authority.ensure_execution(conn, state.workspace_id, owner, state.scope_id,
-                                                            state.type, "first_collaborator")
+                                                            EXECUTION_TYPES[state.type], "first_collaborator")
     change = await private_authority.add_collaborator(conn, state.workspace_id, execution_id, command.member_id,
                                                       owner, command.expires_at)
     return Outcome(change, authority_changed=True)

@@ -11,6 +11,9 @@ from domain.plan import ActorContext, MentionCandidate, ScopeContext
 
 AUDIENCE_TOKENS = frozenset({"all", "here"})
 
+# Scopes a private agent enters only when addressed there, from its parent (scope-model §5.2).
+_ADMITTING = ("thread", "task")
+
 
 @dataclass(frozen=True)
 class Decision:
@@ -52,15 +55,17 @@ def can_address(actor: ActorContext, scope: ScopeContext, candidate: MentionCand
     admits = False
     if candidate.member_id not in scope.roster:
         # Thread admission (scope-model.md §5.2): only someone already in the
-        # parent, a private agent only as a private member of the parent.
-        parent_entry = parent.roster.get(candidate.member_id) if scope.type == "thread" and parent else None
-        if parent_entry is None or (_is_private_agent(candidate) and parent_entry.visibility != "private"):
+        # parent, a private agent only as a private member of the parent.  A task
+        # admits private agents alone, the same way (its other readers come from its board).
+        parent_entry = parent.roster.get(candidate.member_id) if scope.type in _ADMITTING and parent else None
+        if parent_entry is None or (_is_private_agent(candidate) and parent_entry.visibility != "private") or (
+                scope.type == "task" and not _is_private_agent(candidate)):
             return deny("not_a_member"), False
         admits = True
     if not _is_private_agent(candidate):
         return allow("thread_admission" if admits else "member"), admits
-    if scope.type == "thread" and parent is not None and candidate.member_id not in parent.roster:
-        return deny("not_a_member"), False  # removed from the channel: its thread membership grants nothing
+    if scope.type in _ADMITTING and parent is not None and candidate.member_id not in parent.roster:
+        return deny("not_a_member"), False  # removed from the channel: its membership here grants nothing
     if candidate.member_id == actor.member_id:
         return allow("own"), admits
     assert now is not None and candidate.owner_member_id is not None
@@ -87,8 +92,8 @@ def can_add_member(actor: ActorContext | None, scope: ScopeContext, candidate: M
     if candidate.kind == "agent" and candidate.visibility == "private":
         if actor is None or candidate.owner_member_id != actor.member_id:
             return deny("private_agent_without_authority")
-        if scope.type == "thread":
-            # It enters a thread only when addressed there (scope-model §5.2): mention it.
+        if scope.type in _ADMITTING:
+            # It enters a thread or task only when addressed there (scope-model §5.2): mention it.
             return deny("private_agent_not_admitted")
     if scope.type == "dm":
         return deny("dm_roster_is_fixed")

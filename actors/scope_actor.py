@@ -866,7 +866,7 @@ class ScopeActor:
         routes = []
         for member_id, watch in sorted(strand.watches.items()):
             entry = state.roster.get(member_id)
-            if (watch.level == "all" and member_id != actor and entry is not None
+            if (watch.level == "all" and member_id != actor and entry is not None and entry.visibility == "public"
                     and entry.notification_state not in SILENCED_STATES):
                 routes.append(Route(member_id, REACTION, "member", push=entry.notification_state not in UNPUSHED_STATES,
                                     reasons=(REACTION, WATCH)))
@@ -897,7 +897,9 @@ class ScopeActor:
             if level == "muted":
                 continue
             watching = level in ("all", "participating") and entry.notification_state not in SILENCED_STATES
-            if watching and entry.kind == "agent" and author_kind != "human":
+            if entry.visibility == "private":
+                watching = False  # a private agent hears only what authority addresses to it (policy.can_address)
+            elif watching and entry.kind == "agent" and author_kind != "human":
                 watching = False  # agents and services never wake a watching agent: no wake loops
             if addressed is not None:
                 known = addressed.reasons or (addressed.reason,)
@@ -992,9 +994,11 @@ class ScopeActor:
         await self._refresh_parent(conn)
 
     async def open_participants(self, conn: asyncpg.Connection, state: ScopeContext, member_ids: list[str]) -> None:
-        """A task's state-only rows (read cursor, Inbox) for authorized members who lack one."""
+        """A task's state-only rows (read cursor, Inbox) for authorized members who lack one
+        (a private agent's admission is its row)."""
         known = self.strand.participant_rows if self.strand is not None else set()
-        missing = sorted(set(member_ids) - known)
+        missing = sorted(m for m in set(member_ids) - known
+                         if (entry := state.roster.get(m)) is None or entry.visibility != "private")
         if missing:
             await applier.open_participant_rows(conn, state.workspace_id, state.scope_id, missing)
             self._roster_dirty = True  # known after the reload that follows the commit

@@ -74,13 +74,20 @@ def _rule_refusal(exc: rules.StrandRuleError) -> Refused:
     return Refused(exc.code, exc.message, exc.reason)
 
 
+def _board_reader(state: ScopeContext, member_id: str) -> bool:
+    """A reader of the strand itself, by its board channel: not a private agent admitted
+    to the discussion, which reads only the messages the owner-private predicate allows."""
+    entry = state.roster.get(member_id)
+    return entry is not None and entry.visibility == "public"
+
+
 async def _readable(actor: ScopeActor, conn: asyncpg.Connection, state: ScopeContext,
                     command: Command, *, write: bool = True) -> tuple[asyncpg.Record, rules.Tracks]:
     """The strand's current row and tracks, read in this transaction (two commands of one
     batch must see each other's writes: the compare-and-set rules read them)."""
     await actor.refresh_task_authority(conn)
     state = actor.state
-    if state is None or actor.strand is None or command.actor.member_id not in state.roster:
+    if state is None or actor.strand is None or not _board_reader(state, command.actor.member_id):
         raise NotFound("strand")
     if write and state.status != "active":
         raise Refused("conflict", "the strand is archived", "scope_archived")
@@ -170,7 +177,7 @@ async def assign(actor: ScopeActor, conn: asyncpg.Connection, state: ScopeContex
     await _readable(actor, conn, state, command)
     state = actor.state
     entry = state.roster.get(command.member_id)
-    if entry is None:
+    if not _board_reader(state, command.member_id):
         # Only a reader of the strand can be assigned; anyone else is not revealed.
         raise NotFound("member")
     try:
@@ -209,7 +216,7 @@ async def unassign(actor: ScopeActor, conn: asyncpg.Connection, state: ScopeCont
 async def set_watch(actor: ScopeActor, conn: asyncpg.Connection, state: ScopeContext, command: SetWatch) -> Outcome:
     await _readable(actor, conn, state, command, write=False)
     state = actor.state
-    if command.watcher not in state.roster:
+    if not _board_reader(state, command.watcher):
         # Watching needs read access first (§8.9); another member who cannot read is not revealed.
         raise NotFound("member")
     written = await store.watch_row(conn, state.scope_id, command.watcher, for_update=True)

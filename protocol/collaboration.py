@@ -52,7 +52,9 @@ class PrivateGrantList(WorkspaceRequest, tag="private_grant.list"):
 class CollaboratorAdd(WorkspaceRequest, tag="collaborator.add"):
     """Add an active human or app member (not an agent, not you) as a People
     collaborator of YOUR private agents on `scope_id` (a channel or thread you are
-    a member of; DMs have none).  Their messages there from now on become context
+    a member of, or a strand you read; DMs have none).  On a strand it is a
+    task-local collaborator: its Scope Execution (`scope_type` `explicit_task`)
+    is created by this first add, never by the strand alone.  Their messages there from now on become context
     for your private agents, and they may address them; ordinary messages wake
     nobody.  No membership is created, nothing earlier is backfilled.  A channel
     affects every thread under it, so it needs `confirm_channel: true` and either
@@ -96,9 +98,9 @@ class CollaboratorUpdateExpiry(WorkspaceRequest, tag="collaborator.update_expiry
 
 
 class CollaboratorList(WorkspaceRequest, tag="collaborator.list"):
-    """Your effective collaborators on a channel or thread: the scope's own rows
-    (`source: local`) and, for a thread, its channel's (`source: inherited`,
-    computed at read time, never copied)."""
+    """Your effective collaborators on a channel, thread or strand: the scope's own
+    rows (`source: local`) and, for a thread or strand, its (board) channel's
+    (`source: inherited`, computed at read time, never copied)."""
 
     scope_id: Id
     include_ended: bool = False

@@ -259,7 +259,8 @@ class ThreadReply(WorkspaceRequest, tag="thread.reply"):
     private agents the root addressed (each still a member of `scope_id`) as
     its first members.  Replying joins the thread, except for a private agent:
     only the root or a message in the thread admits it (otherwise `forbidden`,
-    reason `private_agent_not_admitted`).  `recipient_member_ids` as in
+    reason `private_agent_not_admitted`; a strand admits private agents the
+    same way, see the strands section).  `recipient_member_ids` as in
     `message.send`."""
 
     scope_id: Id

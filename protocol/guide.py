@@ -78,7 +78,10 @@ MENTIONS = (
     "when there is at least one (and `metadata` itself is left out when empty). A token is `@` followed by an "
     "ASCII handle ([A-Za-z0-9][A-Za-z0-9_.-]*, matched lowercased) outside code spans, fenced code blocks and "
     "blockquotes; at most 50 distinct tokens count. A mention that may not route (an unknown handle, a private "
-    "agent the sender may not reach) stays plain text and is not listed. A forward of several messages and "
+    "agent the sender may not reach) stays plain text and is not listed. A listed private agent that is a "
+    "private member of the parent channel but not of this thread or strand is admitted into it by that "
+    "message (a private membership; it then reads only what the owner-private predicate allows, and never "
+    "the strand row itself). A forward of several messages and "
     "owner_quote carry no live mentions. metadata.silent is true for a `silent` send."
 )
 

@@ -11,6 +11,22 @@ answers `not_found` — never `forbidden` — whatever the cause.  Archived stra
 refuse writes (`conflict`, reason `scope_archived`, as any archived scope) and stay readable to humans;
 agents lose them.
 
+A **private agent** is never a reader by the board.  It enters a strand's discussion as it
+enters a thread: a live mention or an explicit recipient in the strand, by someone holding
+authority over it (its owner, a grantee of the owner on the channel, a People collaborator
+of the owner on the strand or its channel, another private agent of the owner already
+there), admits it while it is a
+private member of the board's channel (`scope.members` with `include_private` lists it,
+with its owner).  There it reads and receives only what the owner-private predicate allows
+(its own output, its owner's, its owner's other private agents', and grantees' and People
+collaborators' messages inside their windows on the strand and its channel: collaborators
+added on the strand itself (`collaborator.add`, an explicit-task Scope Execution) or on the
+channel, a runtime union).  The strand itself — `strand.get`, `strand.list`, tracks, stage,
+assignment, watch — stays its board readers': to a private agent it answers `not_found`,
+as does assigning or watching on one's behalf.  Watches never wake a private agent, and
+audience mentions never reach one.  It loses the strand when it leaves the channel or the
+strand, board or channel is archived.
+
 Errors carry `details.reason`: `schema_violation` (`invalid`), and for `conflict`
 `failed_precondition`, `track_disabled`, `primary_track_required`,
 `watch_must_be_self`, `version_mismatch`, `already_archived`, `not_archived`.

@@ -6,7 +6,10 @@ Each example is a random program over one world: owners O1 and O2, a plain
 human H, a service member S, O1's private agents A1 and A1b, O2's private
 agent A2 and O1's public agent P1; a channel C (everyone a member, the private
 agents as private members invited by their owners), two sibling threads T and
-T2 under it, and a DM between each private agent and its owner.  Steps send
+T2 under it, a strand K on a board of C (its readers are C's public members; a
+private agent enters it only when addressed there with authority, like a
+thread, and grants cannot be made on it), and a DM between each private agent
+and its owner.  Steps send
 messages (addressing an agent by @mention or as an explicit recipient), react,
 edit, grant and revoke private authority, add / remove People collaborators
 (who may also leave) and move their expiry, share messages as owner_quotes,
@@ -62,7 +65,7 @@ AUTHORS = ("O1", "O2", "H", "S", "A1", "A1b", "A2", "P1")
 MENTION_TARGETS = (None, "A1", "A1b", "A2", "P1")
 GRANTEES = ("H", "O1", "O2", "S", "P1", "A1", "A1b", "A2")
 COLLABORATORS = ("H", "O1", "O2", "S")  # People: humans and service members, never agents
-SCOPES = ("C", "T", "T2")
+SCOPES = ("C", "T", "T2", "K")
 DM_OF = {agent: f"D{agent}" for agent in PRIVATE_AGENTS}
 REACTION_KEYS = ("👍", ":ok:", "🎉")
 EXPIRIES = (None, None, "soon", "later")
@@ -119,6 +122,7 @@ class Scope:
     id: str
     parent: str | None = None
     root: Msg | None = None
+    task: bool = False  # a strand: C's public members read it, private agents are admitted
     latest_seq: int = 0
     members: dict[str, Membership] = field(default_factory=dict)
 
@@ -398,13 +402,13 @@ class World:
         if target == author or not self._may_write(author, scope):
             return False
         if author in PRIVATE_AGENTS and state.parent is not None and not state.is_open(author):
-            return await self._reply_refused(author, scope)
+            return await (self._task_send_refused if state.task else self._reply_refused)(author, scope)
         fields = {"recipient_member_ids": [self.member_ids[target]]} if explicit and target else {}
         content = f"step {next(self.counter)}" + (f" @{self.handles[target]}" if target and not explicit else "")
         joins = state.parent is not None and not state.is_open(author)
         lo_ms = int(time.time() * 1000)
         try:
-            if state.parent is None:
+            if state.parent is None or state.task:
                 info = await self.call(author, "message.send", scope_id=state.id, content=content, **fields)
             else:
                 info = await self.call(author, "thread.reply", scope_id=model.scopes[state.parent].id,
@@ -434,6 +438,16 @@ class World:
                 state.open(target, baseline=message.seq - 1)  # admitted with the admitting message
         self.expect_live(message)
         return True
+
+    async def _task_send_refused(self, agent: str, scope: str) -> bool:
+        """A private agent not admitted to a strand cannot see it, let alone write there."""
+        try:
+            await self.call(agent, "message.send", scope_id=self.model.scopes[scope].id, content="let me in")
+        except ClientError as exc:
+            assert exc.code == "not_found", exc
+        else:
+            raise AssertionError(f"{agent} wrote its way into {scope}")
+        return False
 
     async def _reply_refused(self, agent: str, scope: str) -> bool:
         """A private agent outside a thread cannot reply its way in."""
@@ -472,7 +486,7 @@ class World:
     def _may_write(self, author: str, scope: str) -> bool:
         model = self.model
         state = model.scopes[scope]
-        if state.parent is None:
+        if state.parent is None or state.task:
             return state.is_open(author)
         # A thread reply needs the parent and its root (a private agent must read it).
         return model.scopes[state.parent].is_open(author) and (
@@ -540,6 +554,10 @@ class World:
         model = self.model
         if grantee == owner or not model.scopes[scope].is_open(owner):
             return False
+        if model.scopes[scope].task:  # a strand inherits its channel's grants and takes none of its own
+            await self._refused(owner, "private_grant.create", ("invalid", "scope_type_not_supported"),
+                                scope_id=model.scopes[scope].id, grantee_member_id=self.member_ids[grantee])
+            return False
         now_ms = await self.server_now_ms()
         if any(w.kind == "grant" and (w.owner, w.member, w.scope) == (owner, grantee, scope) and not w.ended
                and not w.expired_by(now_ms) for w in model.windows):
@@ -554,6 +572,15 @@ class World:
         assert info["effective_from_global_seq"] == model.global_seq + 1, info
         model.windows.append(Window(info["id"], "grant", owner, grantee, scope, model.global_seq + 1, expires_ms))
         return True
+
+    async def _refused(self, role: str, op: str, expected: tuple[str, str], extra: dict | None = None,
+                       **fields) -> None:
+        try:
+            await self.call(role, op, **(extra or {}), **fields)
+        except ClientError as exc:
+            assert (exc.code, exc.details.get("reason")) == expected, (op, exc)
+        else:
+            raise AssertionError(f"{op} by {role} was accepted")
 
     async def _expired_meanwhile(self, exc: ClientError, expires_ms: int | None) -> bool:
         """A "soon" expiry that a stalled machine let pass before the server saw it."""
@@ -654,6 +681,12 @@ class World:
         if not state.is_open(agent):
             return False
         owner = OWNER_OF[agent]
+        if state.task:  # a strand's readers change only through its channel
+            await self._refused(owner if by_owner else agent, *(
+                ("scope.remove", ("forbidden", "task_readers_from_board"), {"member_id": self.member_ids[agent]})
+                if by_owner else ("scope.leave", ("forbidden", "task_readers_from_board"), {})),
+                scope_id=state.id)
+            return False
         if by_owner and state.is_open(owner):
             await self.call(owner, "scope.remove", scope_id=state.id, member_id=self.member_ids[agent])
         else:
@@ -937,6 +970,13 @@ async def build_world(base: Base, number: int, nursery: trio.Nursery, stack: Asy
             if member is not None:
                 thread.open(member)
         world.expect_live(world.record(reply, name, opener))
+    # A strand on a board of C: C's public members read and write it (no rows of their own to
+    # model: they stand in as open members); no private agent is in it until addressed there.
+    board = await world.call("O1", "board.create", channel_id=channel["id"], name="Board")
+    strand = await world.call("O2", "strand.create", board_id=board["id"], title=f"Strand {number}")
+    task = model.scopes["K"] = Scope("K", strand["id"], parent="C", task=True)
+    for role in ("O1", "O2", "H", "P1", "S"):
+        task.open(role)
     return world
 
 
@@ -1062,6 +1102,18 @@ SCENARIOS = (
      ("agent_leave", "A1", "T", False), ("send", "O1", "T", None, False),
      ("quote", "O1", 0, "DM"), ("quote", "O2", 0, "C"), ("send", "A2", "T2", None, False),
      ("resume", "A1", 3, 1), ("send", "O1", "T", "A1", True), ("send", "A1", "T", None, False)],
+    # The strand: a private agent not admitted cannot write there and nobody without authority
+    # admits it; its owner does (mention or explicit recipient); a task-local collaborator and
+    # the channel's collaborators and grantees count there, a thread's never; grants on it and
+    # leaving it are refused; removed from the channel, the agent reads nothing of it.
+    [("send", "A1", "K", None, False), ("send", "H", "K", "A1", False), ("send", "O1", "K", "A1", False),
+     ("send", "H", "K", None, False), ("send", "A1", "K", None, False), ("grant", "O1", "H", "K", None),
+     ("collaborator_add", "O1", "H", "K", "soon"), ("send", "H", "K", "A1b", True), ("send", "H", "K", None, False),
+     ("collaborator_add", "O2", "S", "T", None), ("send", "S", "K", "A2", False),
+     ("grant", "O2", "S", "C", None), ("send", "S", "K", "A2", False), ("send", "A2", "K", "A1", False),
+     ("let_expire",), ("send", "H", "K", None, False), ("react", "O2", 2, "👍"), ("edit", "H", 1),
+     ("agent_leave", "A1", "K", False), ("quote", "O1", 0, "K"), ("agent_leave", "A1", "C", True),
+     ("send", "O1", "K", "A1", False), ("agent_rejoin", "A1"), ("send", "O1", "K", None, False)],
 )
 
 

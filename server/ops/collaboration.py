@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from actors.collaboration import (AddCollaborator, CreateGrant, EndCollaborator, RevokeGrant,
+from actors.collaboration import (EXECUTION_TYPES, AddCollaborator, CreateGrant, EndCollaborator, RevokeGrant,
                                   UpdateCollaboratorExpiry)
 from actors.fanout import CommittedEvent
 from protocol import collaboration as c
@@ -153,7 +153,7 @@ async def collaborator_add(server: Server, connection: Connection, request: c.Co
     _require_human(workspace)
     member_id = _check_id(request.member_id, "mem", "member")
     expires_at = _expiry(request.expires_at_ms, request.no_expiry)
-    if scope["type"] not in ("channel", "thread"):
+    if scope["type"] not in EXECUTION_TYPES:
         raise _invalid(f"no collaborators on a {scope['type']} scope", "scope_type_not_supported")
     if scope["type"] == "channel" and not (request.confirm_channel and (expires_at is not None or request.no_expiry)):
         # A channel reaches every thread under it: an explicit confirmation and an explicit expiry choice (§7.6).
@@ -204,9 +204,10 @@ async def collaborator_update_expiry(server: Server, connection: Connection, req
 async def collaborator_list(server: Server, connection: Connection, request: c.CollaboratorList,
                             ctx: RequestContext) -> c.CollaboratorListResult:
     workspace, scope = await _scope(server, ctx, request.scope_id, Permission.MESSAGE_READ)
-    if scope["type"] not in ("channel", "thread"):
+    if scope["type"] not in EXECUTION_TYPES:
         raise _invalid(f"no collaborators on a {scope['type']} scope", "scope_type_not_supported")
-    chain = [scope["id"]] + ([scope["parent_scope_id"]] if scope["type"] == "thread" else [])
+    # A thread's and a task's effective collaborators include their (board) channel's: a runtime union.
+    chain = [scope["id"]] + ([scope["parent_scope_id"]] if scope["type"] != "channel" else [])
     rows = await server.db.run(collaborators.owner_collaborators, workspace.workspace_id, workspace.member_id, chain,
                                request.include_ended)
     return c.CollaboratorListResult([

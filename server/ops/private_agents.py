@@ -26,8 +26,8 @@ if TYPE_CHECKING:
 
 
 def _chain(scope: Any) -> list[str]:
-    """The scope and, for a thread, its parent: the only scopes whose authority applies here."""
-    return [scope["id"], scope["parent_scope_id"]] if scope["type"] == "thread" else [scope["id"]]
+    """The scope and, for a thread or task, its parent: the only scopes whose authority applies here."""
+    return [scope["id"], scope["parent_scope_id"]] if scope["type"] in ("thread", "task") else [scope["id"]]
 
 
 def _best(rows: Iterable[Any], chain: list[str]) -> Any | None:

@@ -30,6 +30,7 @@ from storage.visibility.predicate import (
     explain_message,
     fetch_custom_plan,
     followers_entitled,
+    private_entry_holds_sql,
     message_readable_sql,
     message_visibility_sql,
     ReaderWindows,
@@ -68,10 +69,7 @@ INBOX_MEMBERSHIPS = (
 
 async def entitled_roster(conn: asyncpg.Connection, scope_id: str) -> frozenset[str]:
     """The members entitled to the scope's events."""
-    rows = await conn.fetch(f"SELECT member_id FROM {ENTITLED_MEMBERSHIPS} r WHERE r.scope_id = $1", scope_id)
-    if not rows and await _is_task(conn, scope_id):  # a task has no entitled rows of its own
-        return await tasks.task_readers(conn, scope_id)
-    return frozenset(r["member_id"] for r in rows)
+    return frozenset(await roster_entries(conn, scope_id))
 
 
 async def public_rosters(conn: asyncpg.Connection, scope_ids: list[str]) -> dict[str, tuple[int, frozenset[str]]]:
@@ -89,9 +87,17 @@ async def public_rosters(conn: asyncpg.Connection, scope_ids: list[str]) -> dict
 async def roster_entries(conn: asyncpg.Connection, scope_id: str) -> dict[str, RosterEntry]:
     """The scope actor's roster: who may write here and receives its events."""
     roster = _rosters(await conn.fetch(_ROSTER.format(scopes="r.scope_id = $1"), scope_id)).get(scope_id, {})
-    if not roster and await _is_task(conn, scope_id):
-        return await tasks.task_roster_entries(conn, scope_id)
+    if all(entry.visibility == "private" for entry in roster.values()) and await _is_task(conn, scope_id):
+        # A task's readers come from its board channel; its own rows that grant anything are
+        # private agents' admissions, which count while they hold (private_entry_holds_sql).
+        return {**await tasks.task_roster_entries(conn, scope_id), **await _task_private_entries(conn, scope_id)}
     return roster
+
+
+async def _task_private_entries(conn: asyncpg.Connection, scope_id: str) -> dict[str, RosterEntry]:
+    return _rosters(await conn.fetch(_ROSTER.format(
+        scopes=f"r.scope_id = $1 AND r.visibility = 'private' AND {private_entry_holds_sql('r.member_id', '$1')}"),
+        scope_id)).get(scope_id, {})
 
 
 async def roster_entries_of(conn: asyncpg.Connection, scope_ids: list[str]) -> dict[str, dict[str, RosterEntry]]:
@@ -129,25 +135,23 @@ async def typing_audience(conn: asyncpg.Connection, scope_id: str, typist: str) 
     """Who sees `typist` typing here: the public members, and the private agents
     that would read what the typist is writing — the typist's own agents (a
     grantee's or collaborator's typing is not worth a window lookup per signal)."""
-    rows = await conn.fetch(
-        f"SELECT r.member_id FROM {ENTITLED_MEMBERSHIPS} r WHERE r.scope_id = $1 "
-        f"AND (r.visibility = 'public' OR r.owner_member_id = $2 OR r.member_id = $2)",
-        scope_id, typist,
-    )
-    if not rows and await _is_task(conn, scope_id):
-        return await tasks.task_readers(conn, scope_id)
-    return frozenset(r["member_id"] for r in rows)
+    return frozenset(member_id for member_id, entry in (await roster_entries(conn, scope_id)).items()
+                     if entry.visibility == "public" or typist in (entry.owner_member_id, member_id))
 
 
 async def scope_members(conn: asyncpg.Connection, scope_id: str, *,
                         include_private: bool = False) -> list[asyncpg.Record]:
     """Current public members; with include_private also the private ones, which
-    carry their owner (scope-model §3.3: a public list never shows them).  A task's are its readers."""
+    carry their owner (scope-model §3.3: a public list never shows them).  A task's are its
+    readers and the private agents admitted there."""
     if await _is_task(conn, scope_id):
-        return await conn.fetch(
-            "SELECT mem.id AS member_id, mem.handle, mem.display_name, mem.kind, 'public' AS visibility, "
-            "NULL::text AS owner_member_id, 1::bigint AS effective_from_seq FROM members mem "
-            "WHERE mem.id = ANY($1::text[]) ORDER BY mem.id", sorted(await tasks.task_readers(conn, scope_id)))
+        entries = await roster_entries(conn, scope_id)
+        shown = sorted(m for m, e in entries.items() if include_private or e.visibility == "public")
+        rows = await conn.fetch("SELECT mem.id AS member_id, mem.handle, mem.display_name, mem.kind FROM members mem "
+                                "WHERE mem.id = ANY($1::text[]) ORDER BY mem.id", shown)
+        return [{**r, "visibility": entries[r["member_id"]].visibility,
+                 "owner_member_id": entries[r["member_id"]].owner_member_id,
+                 "effective_from_seq": entries[r["member_id"]].effective_from_seq} for r in rows]
     return await conn.fetch(
         f"SELECT r.member_id, mem.handle, mem.display_name, mem.kind, r.visibility, r.owner_member_id, "
         f"r.effective_from_seq FROM {ENTITLED_MEMBERSHIPS} r JOIN members mem ON mem.workspace_id = r.workspace_id "

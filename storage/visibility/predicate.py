@@ -11,8 +11,8 @@ grant or collaborator id when one made it readable ('grant:grt_…').
   agent itself ('own_output'), O ('owner'), another private agent of O inside
   its own private interval ('same_owner_agent'), or a member inside one of O's
   grant ('grant') or People collaborator ('collaborator') windows on the
-  scope's chain (the scope, and for a thread its parent channel; never a
-  sibling).  A window covers a message by workspace_global_seq, and an expiring
+  scope's chain (the scope, and for a thread or a task its parent channel —
+  the board's, for a task; never a sibling).  A window covers a message by workspace_global_seq, and an expiring
   one only while created_at < expires_at: revocation and expiry are never
   retroactive in either direction.
 - A private agent also reads, in any scope, the source of an owner_quote that
@@ -30,7 +30,7 @@ from datetime import datetime
 
 import asyncpg
 
-from storage.visibility.tasks import task_reader_sql, task_readers
+from storage.visibility.tasks import task_open_to_agents_sql, task_reader_sql, task_readers
 
 # A member whose membership is closed or who left the workspace reads nothing.
 _ACTIVE = "EXISTS (SELECT 1 FROM members xm WHERE xm.workspace_id = {ms}.workspace_id AND xm.id = {ms}.member_id " \
@@ -95,16 +95,19 @@ def window_sql(row: str, message: str, kind: str) -> str:
 
 
 def _chain(message: str) -> str:
-    """The scope of `message` and, for a thread, its parent: where authority for it may come from."""
+    """The scope of `message` and, for a thread or task, its parent: where authority for it may come from."""
     return f"({message}.scope_id, (SELECT cs.parent_scope_id FROM scopes cs WHERE cs.id = {message}.scope_id))"
 
 
-def _still_in_parent(member: str, scope_id: str) -> str:
-    """A private agent reads a thread only while it is a private member of the
-    thread's parent (scope-model §5.2): removal from the channel ends it."""
+def private_entry_holds_sql(member: str, scope_id: str) -> str:
+    """A private agent's membership of a thread or task grants reading only while it
+    is a private member of the parent (scope-model §5.2: removal from the channel
+    ends it), and of a task only while the task is open to agents (strand, board
+    and channel agree and are active: SPEC §5 decision 11)."""
     return (f"NOT EXISTS (SELECT 1 FROM scopes ts WHERE ts.id = {scope_id} AND ts.parent_scope_id IS NOT NULL "
-            f"AND NOT EXISTS (SELECT 1 FROM scope_memberships tp WHERE tp.scope_id = ts.parent_scope_id "
-            f"AND tp.member_id = {member} AND tp.effective_to_seq IS NULL AND tp.visibility = 'private'))")
+            f"AND (NOT EXISTS (SELECT 1 FROM scope_memberships tp WHERE tp.scope_id = ts.parent_scope_id "
+            f"AND tp.member_id = {member} AND tp.effective_to_seq IS NULL AND tp.visibility = 'private') "
+            f"OR (ts.type = 'task' AND NOT {task_open_to_agents_sql('ts.id')})))")
 
 
 def _in_interval(member: str, message: str) -> str:
@@ -141,7 +144,7 @@ def message_visibility_sql(message: str = "m", viewer: str = "$2") -> str:
         f"ELSE {author_authority_sql(message, 'om.owner_member_id')} END "
         f"FROM scope_memberships om WHERE om.scope_id = {message}.scope_id AND om.member_id = {viewer} "
         f"AND om.effective_to_seq IS NULL AND om.visibility = 'private' AND {_ACTIVE.format(ms='om')} "
-        f"AND {_in_interval(viewer, message)} AND {_still_in_parent(viewer, f'{message}.scope_id')})"
+        f"AND {_in_interval(viewer, message)} AND {private_entry_holds_sql(viewer, f'{message}.scope_id')})"
     )
     source = (
         f"(SELECT 'source_ref' FROM members vm WHERE vm.workspace_id = {message}.workspace_id AND vm.id = {viewer} "
@@ -151,11 +154,12 @@ def message_visibility_sql(message: str = "m", viewer: str = "$2") -> str:
         f"AND qm.effective_to_seq IS NULL AND qm.visibility = 'private' "
         f"WHERE src.workspace_id = {message}.workspace_id AND src.source_message_id = {message}.id "
         f"AND src.source_kind = 'owner_quote' AND q.author_member_id = vm.owner_member_id "
-        f"AND {_in_interval('vm.id', 'q')} AND {_still_in_parent('vm.id', 'q.scope_id')}))"
+        f"AND {_in_interval('vm.id', 'q')} AND {private_entry_holds_sql('vm.id', 'q.scope_id')}))"
     )
-    # A task scope has no public or private memberships (its rows are 'participant', state
-    # only): its readers come from the board channel, decided by the task authority.  Tried
-    # after the private branch, so a private agent's reads elsewhere never pay for it.
+    # A task scope has no public memberships (its 'participant' rows are state only; a
+    # private agent's admission is the private branch): its readers come from the board
+    # channel, decided by the task authority.  Tried after the private branch, so a private
+    # agent's reads elsewhere never pay for it.
     task = task_reader_sql(f"{message}.scope_id", viewer)
     return f"COALESCE({public}, {private}, {task}, {source})"
 
@@ -227,17 +231,21 @@ async def followers_entitled(conn: asyncpg.Connection, scope_id: str, from_seq: 
 
 async def entitled_for_message(conn: asyncpg.Connection, scope_id: str, message_id: str) -> frozenset[str]:
     """Who receives this message's events: the open public members, and the open
-    private members who may read it (the outbox worker's replay); a task's readers."""
+    private members who may read it (the outbox worker's replay); a task's readers too."""
     rows = await conn.fetch(
-        f"SELECT r.member_id FROM scope_memberships r JOIN scope_messages m ON m.scope_id = r.scope_id AND m.id = $2 "
+        f"SELECT r.member_id, r.visibility FROM scope_memberships r JOIN scope_messages m ON m.scope_id = r.scope_id "
+        f"AND m.id = $2 "
         f"WHERE r.scope_id = $1 AND r.effective_to_seq IS NULL AND {_ACTIVE.format(ms='r')} "
         f"AND r.visibility <> 'participant' "
         f"AND (r.visibility = 'public' OR {message_visibility_sql('m', 'r.member_id')} IS NOT NULL)",
         scope_id, message_id,
     )
-    if not rows and await conn.fetchval("SELECT type = 'task' FROM scopes WHERE id = $1", scope_id):
-        return await task_readers(conn, scope_id)  # a task's own rows grant nothing
-    return frozenset(r["member_id"] for r in rows)
+    entitled = frozenset(r["member_id"] for r in rows)
+    if all(r["visibility"] == "private" for r in rows) and await conn.fetchval(
+            "SELECT type = 'task' FROM scopes WHERE id = $1", scope_id):
+        # A task's readers come from its board; its own rows are private admissions (above).
+        return entitled | await task_readers(conn, scope_id)
+    return entitled
 
 
 # --- diagnostics ------------------------------------------------------------------------------------
@@ -309,7 +317,7 @@ async def private_reader_windows(conn: asyncpg.Connection, scope_id: str, viewer
         WITH reader AS (
             SELECT om.owner_member_id AS owner FROM scope_memberships om
              WHERE om.scope_id = $1 AND om.member_id = $2 AND om.effective_to_seq IS NULL
-               AND om.visibility = 'private' AND {_ACTIVE.format(ms='om')} AND {_still_in_parent('$2', '$1')}
+               AND om.visibility = 'private' AND {_ACTIVE.format(ms='om')} AND {private_entry_holds_sql('$2', '$1')}
         ), chain AS (
             SELECT $1::text AS id
             UNION ALL SELECT s.parent_scope_id FROM scopes s WHERE s.id = $1 AND s.parent_scope_id IS NOT NULL

@@ -8,7 +8,14 @@ workspace, a board that disagrees with the task, an inactive member, a member
 who left the channel — reads as no access, the same answer whatever the cause.
 A task's own memberships (visibility 'participant') carry read state only and
 grant nothing.  Archived tasks, boards and channels stay readable to humans and
-close to agents (SPEC §5 decision 11).  Private agents do not enter task scopes.
+close to agents (SPEC §5 decision 11).
+
+A private agent is never a reader by the board: it enters a task scope the way
+it enters a thread (scope-model §5.2), with a private membership of its own,
+admitted by an authorized live mention or explicit recipient while it is a
+private member of the board channel; what it reads there is the owner-private
+predicate's question, and only while the task is open to agents
+(`task_open_to_agents_sql`).
 
 Every read and fanout surface that meets a task scope uses these fragments;
 predicate.py folds them into the one readable predicate.
@@ -21,26 +28,40 @@ import asyncpg
 from domain.plan import RosterEntry
 
 
-def _task_readers(task_scope: str, member: str | None) -> str:
-    """FROM/WHERE body: the board channel's readers of task `task_scope` (one, with `member`).
-    Its aliases (ta_*) are its own: the caller's `task_scope` / `member` expressions are
-    correlated into it and must never be shadowed by them (an outer `st.scope_id` read as
-    the inner strand would make every strand readable to whoever reads one)."""
-    only = f"AND ta_cm.member_id = {member} " if member is not None else ""
+def _task_agrees(task_scope: str, joins: str = "") -> str:
+    """FROM/WHERE body: the strand of `task_scope` with its board and channel (and
+    `joins`), when the three agree and neither task nor channel is deleted.
+    Its aliases (ta_*) are its own: the caller's expressions are correlated into it
+    and must never be shadowed by them (an outer `st.scope_id` read as the inner
+    strand would make every strand readable to whoever reads one)."""
     return (
         f"FROM strands ta_st JOIN task_boards ta_tb ON ta_tb.workspace_id = ta_st.workspace_id "
         f"AND ta_tb.id = ta_st.board_id "
-        f"JOIN scopes ta_ts ON ta_ts.id = ta_st.scope_id JOIN scopes ta_ch ON ta_ch.id = ta_tb.channel_id "
+        f"JOIN scopes ta_ts ON ta_ts.id = ta_st.scope_id JOIN scopes ta_ch ON ta_ch.id = ta_tb.channel_id {joins}"
+        f"WHERE ta_st.scope_id = {task_scope} AND ta_st.channel_id = ta_tb.channel_id "
+        f"AND ta_ts.parent_scope_id = ta_tb.channel_id AND ta_ts.workspace_id = ta_st.workspace_id "
+        f"AND ta_ch.workspace_id = ta_st.workspace_id AND ta_ts.status <> 'deleted' AND ta_ch.status <> 'deleted' "
+    )
+
+
+# Agents work in a task only while strand, board and channel are all active.
+_OPEN_TO_AGENTS = "ta_st.state = 'active' AND ta_tb.status = 'active' AND ta_ch.status = 'active'"
+
+
+def _task_readers(task_scope: str, member: str | None) -> str:
+    """FROM/WHERE body: the board channel's readers of task `task_scope` (one, with `member`)."""
+    only = f"AND ta_cm.member_id = {member} " if member is not None else ""
+    return _task_agrees(task_scope, (
         f"JOIN scope_memberships ta_cm ON ta_cm.scope_id = ta_tb.channel_id AND ta_cm.effective_to_seq IS NULL "
         f"AND ta_cm.visibility = 'public' {only}"
         f"JOIN members ta_vm ON ta_vm.workspace_id = ta_st.workspace_id AND ta_vm.id = ta_cm.member_id "
         f"AND ta_vm.status = 'active' AND ta_vm.visibility IS DISTINCT FROM 'private' "
-        f"WHERE ta_st.scope_id = {task_scope} AND ta_st.channel_id = ta_tb.channel_id "
-        f"AND ta_ts.parent_scope_id = ta_tb.channel_id AND ta_ts.workspace_id = ta_st.workspace_id "
-        f"AND ta_ch.workspace_id = ta_st.workspace_id AND ta_ts.status <> 'deleted' AND ta_ch.status <> 'deleted' "
-        f"AND (ta_vm.kind = 'human' OR (ta_st.state = 'active' AND ta_tb.status = 'active' "
-        f"AND ta_ch.status = 'active'))"
-    )
+    )) + f"AND (ta_vm.kind = 'human' OR ({_OPEN_TO_AGENTS}))"
+
+
+def task_open_to_agents_sql(task_scope: str) -> str:
+    """SQL: does the task scope `task_scope` agree with its board and channel, all three active?"""
+    return f"EXISTS (SELECT 1 {_task_agrees(task_scope)} AND {_OPEN_TO_AGENTS})"
 
 
 def task_reader_sql(task_scope: str, viewer: str) -> str:
