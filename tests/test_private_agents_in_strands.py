@@ -98,8 +98,15 @@ async def test_a_private_agent_enters_a_strand_only_when_authority_addresses_it_
         added = await owner.call("collaborator.add", scope_id=w.strand, member_id=w.bob.member_id, **ws)
         assert added["scope_type"] == "explicit_task" and added["scope_id"] == w.strand
         assert await _executions(app, w.strand) == [(w.owner.member_id, "explicit_task", "first_collaborator")]
-        await bob.call("message.send", scope_id=w.strand, content="bob as collaborator", **ws)
+        as_collaborator = await bob.call("message.send", scope_id=w.strand, content="bob as collaborator", **ws)
         assert await _next_message(scout) == "bob as collaborator"
+        why = await owner.call("visibility.explain", message_id=as_collaborator["id"], member_id=w.private_agent,
+                               **ws)
+        assert (why["reason"], why["grant_id"], why["window"]["scope_id"]) == ("collaborator", added["id"], w.strand)
+        # The `@` resolver offers Bob the agent now, through the strand's collaborator row.
+        offered = (await bob.call("private_agent.candidates", scope_id=w.strand, prefix="sc", **ws))["candidates"]
+        assert [(c["member_id"], c["relation"], c["source_scope_id"]) for c in offered] == [
+            (w.private_agent, "collaborator", w.strand)]
         # Bob may now address the agent, and his earlier messages stay unreadable (no backfill).
         addressed = await bob.call("message.send", scope_id=w.strand, content="@scout over to you", **ws)
         assert addressed["metadata"]["mentions"] == [w.private_agent]

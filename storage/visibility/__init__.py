@@ -30,10 +30,10 @@ from storage.visibility.predicate import (
     explain_message,
     fetch_custom_plan,
     followers_entitled,
-    private_entry_holds_sql,
     message_readable_sql,
     message_visibility_sql,
     ReaderWindows,
+    private_entry_holds_sql,
     private_reader_windows,
     quoted_sources_sql,
     readable_join,
@@ -101,7 +101,7 @@ async def _task_private_entries(conn: asyncpg.Connection, scope_id: str) -> dict
 
 
 async def roster_entries_of(conn: asyncpg.Connection, scope_ids: list[str]) -> dict[str, dict[str, RosterEntry]]:
-    """roster_entries of many scopes in one statement, a task's left out (it has no rows of its own)."""
+    """roster_entries of many scopes in one statement, but a task's readers (they come from its board)."""
     # Scope by scope (a lateral join): with the scopes as an array the planner joined all their
     # memberships at once, ~3× the cost per row of the one-scope plan.
     return _rosters(await conn.fetch(
@@ -135,8 +135,15 @@ async def typing_audience(conn: asyncpg.Connection, scope_id: str, typist: str) 
     """Who sees `typist` typing here: the public members, and the private agents
     that would read what the typist is writing — the typist's own agents (a
     grantee's or collaborator's typing is not worth a window lookup per signal)."""
-    return frozenset(member_id for member_id, entry in (await roster_entries(conn, scope_id)).items()
-                     if entry.visibility == "public" or typist in (entry.owner_member_id, member_id))
+    rows = await conn.fetch(
+        f"SELECT r.member_id, r.visibility FROM {ENTITLED_MEMBERSHIPS} r WHERE r.scope_id = $1 "
+        f"AND (r.visibility = 'public' OR r.owner_member_id = $2 OR r.member_id = $2)",
+        scope_id, typist,
+    )
+    audience = frozenset(r["member_id"] for r in rows)
+    if all(r["visibility"] == "private" for r in rows) and await _is_task(conn, scope_id):
+        return audience | await tasks.task_readers(conn, scope_id)  # a task's public readers come from its board
+    return audience
 
 
 async def scope_members(conn: asyncpg.Connection, scope_id: str, *,
