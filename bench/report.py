@@ -118,6 +118,26 @@ def send_limit() -> Iterator[Figure]:
                  f"{_verdict(tp['meets_limit_target'])} ({tp['ratio_actor_over_limit']:.2f})")
 
 
+def ws_send() -> Iterator[Figure]:
+    doc = _load("ws_send.json")
+    if doc is None:
+        return
+    name = f"ws_send.py ({_run(doc)})"
+    senders, scopes = doc["parameters"]["senders"], doc["parameters"]["scopes"]
+    for shape, label in (("hot", "one hot scope"), ("spread", f"{scopes} scopes")):
+        x = doc["summary"][shape]
+        yield Figure(name, f"acknowledged sends/s over the WebSocket, {senders} closed-loop senders, {label}, "
+                           f"durable cluster",
+                     _spread(x["websocket_sends_per_s"]), f"the scope actor alone {_spread(x['actor_sends_per_s'])}",
+                     f"≥ {x['target']:g}× the actor's", f"{_verdict(x['met'])} ({x['ratio_websocket_over_actor']:.2f}×)")
+    light = doc["summary"]["light"]
+    fsync = doc.get("fdatasync_8k_in_data_dir") or {}
+    yield Figure(name, f"send → result p50 at {doc['parameters']['light_fraction']:.0%} of the actor's hot rate",
+                 _spread(light["p50_ms"], " ms"),
+                 f"one 8 KiB write + fdatasync {_num(fsync['median_us'] / 1000)} ms" if fsync else "—",
+                 f"≤ {light['target_p50_ms']:g} ms", _verdict(light["met"]))
+
+
 def fanout() -> Iterator[Figure]:
     doc = _load("fanout.json")
     if doc is None:
@@ -251,7 +271,7 @@ def service_accounts() -> Iterator[Figure]:
 
 
 SOURCES: tuple[Callable[[], Iterator[Figure]], ...] = (
-    send, send_limit, fanout, broadcast, private_agents, routed, db_bridge, upload, search, service_accounts)
+    send, send_limit, ws_send, fanout, broadcast, private_agents, routed, db_bridge, upload, search, service_accounts)
 
 
 def render() -> str:
