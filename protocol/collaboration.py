@@ -64,7 +64,7 @@ class CollaboratorAdd(WorkspaceRequest, tag="collaborator.add"):
     scope_type_not_supported (DMs), collaborator_is_agent (agents take grants),
     collaborator_is_owner, collaborator_not_active, conflicting_expiry,
     expiry_in_past; `forbidden` owner_not_human, not_a_member; `conflict`
-    already_collaborator."""
+    already_collaborator, scope_archived (an archived strand)."""
 
     scope_id: Id
     member_id: Id

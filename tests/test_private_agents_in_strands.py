@@ -158,6 +158,10 @@ async def test_leaving_the_board_channel_or_archiving_the_strand_closes_it_to_th
         # Agents lose an archived strand (SPEC §5 decision 11): nothing readable, nothing written.
         assert await _history(scout, w.strand, ws) == []
         await expect_error("conflict", scout.call("message.send", scope_id=w.strand, content="late", **ws))
+        error = await expect_error("conflict", owner.call("collaborator.add", scope_id=w.strand,
+                                                          member_id=w.bob.member_id, **ws))
+        assert error.details["reason"] == "scope_archived"
+        assert await _executions(app, w.strand) == []  # the refused add left no execution behind
         await owner.call("strand.restore", strand_id=w.strand, **ws)
         assert await _history(scout, w.strand, ws) == ["@scout start"]
         # Removed from the board channel, its admission grants nothing any more.
