@@ -93,8 +93,10 @@ def send() -> Iterator[Figure]:
         tp = result["summary"]["throughput"]
         actor, baseline = tp["actor"], tp["baseline"]
         yield Figure(name, "sends/s into one hot scope, durable cluster (group commit)",
-                     _range(actor["sends_per_s_all"]), f"one transaction per message {_range(baseline['sends_per_s_all'])}",
-                     f"≥ {tp['target']:g}× the baseline", f"{_verdict(tp['meets_target'])} ({tp['ratio_actor_over_baseline']:.1f}×)")
+                     _range(actor["sends_per_s_all"]),
+                     f"one transaction per message {_range(baseline['sends_per_s_all'])}",
+                     f"≥ {tp['target']:g}× the baseline",
+                     f"{_verdict(tp['meets_target'])} ({tp['ratio_actor_over_baseline']:.1f}×)")
         lat = result["summary"].get("latency")
         if lat:
             yield Figure(name, "send p99, 10,000- vs 10-member scope",
@@ -129,7 +131,8 @@ def ws_send() -> Iterator[Figure]:
         yield Figure(name, f"acknowledged sends/s over the WebSocket, {senders} closed-loop senders, {label}, "
                            f"durable cluster",
                      _spread(x["websocket_sends_per_s"]), f"the scope actor alone {_spread(x['actor_sends_per_s'])}",
-                     f"≥ {x['target']:g}× the actor's", f"{_verdict(x['met'])} ({x['ratio_websocket_over_actor']:.2f}×)")
+                     f"≥ {x['target']:g}× the actor's",
+                     f"{_verdict(x['met'])} ({x['ratio_websocket_over_actor']:.2f}×)")
     light = doc["summary"]["light"]
     fsync = doc.get("fdatasync_8k_in_data_dir") or {}
     yield Figure(name, f"send → result p50 at {doc['parameters']['light_fraction']:.0%} of the actor's hot rate",
@@ -160,13 +163,15 @@ def fanout() -> Iterator[Figure]:
                      limit, f"{_verdict(met)} ({ratio:.1f}×)" if ratio else _verdict(met))
         cpu = sw["total_cpu_us_per_delivery"] / ceiling["total_cpu_us_per_delivery"]
         yield Figure(name, f"CPU per delivery with PostgreSQL, {label}",
-                     f"{_num(sw['total_cpu_us_per_delivery'])} µs", f"ceiling {_num(ceiling['total_cpu_us_per_delivery'])} µs",
+                     f"{_num(sw['total_cpu_us_per_delivery'])} µs",
+                     f"ceiling {_num(ceiling['total_cpu_us_per_delivery'])} µs",
                      f"≤ {doc['targets']['ceiling_cpu_ratio']:g}× the ceiling's",
                      f"{_verdict(cpu <= doc['targets']['ceiling_cpu_ratio'] + 1e-9)} ({cpu:.2f}×)")
     first = doc["summary"][0]
     kib = [c["scopewire"]["kib_per_conn_subscribed"] for c in doc["summary"]]
     yield Figure(name, "server RSS per idle subscribed connection",
-                 f"{_range(kib, ' KiB')}", f"authenticated only {_num(first['scopewire']['kib_per_conn_authenticated'])} KiB;"
+                 f"{_range(kib, ' KiB')}",
+                 f"authenticated only {_num(first['scopewire']['kib_per_conn_authenticated'])} KiB;"
                  f" websockets {_num(first['baseline']['kib_per_conn_subscribed'])} KiB",
                  "≤ 8 KiB", _verdict(max(kib) <= 8))
 
@@ -179,7 +184,8 @@ def broadcast() -> Iterator[Figure]:
     for temperature in ("cold", "warm"):
         run, baseline = doc["summary"][f"broadcast_{temperature}"], doc["summary"][f"baseline_c1_{temperature}"]
         target = run.get("target") or {}
-        yield Figure(name, f"platform broadcast to 1,000 workspaces × 50 humans, accept → all delivered ({temperature})",
+        yield Figure(name,
+                     f"platform broadcast to 1,000 workspaces × 50 humans, accept → all delivered ({temperature})",
                      _spread(run["accept_to_completed_s"], " s"),
                      f"`message.send` one workspace at a time {_spread(baseline['wall_s'], ' s')}",
                      f"≤ {target['accept_to_completed_s_max']:g} s" if target else "—",
@@ -196,7 +202,8 @@ def private_agents() -> Iterator[Figure]:
                      "history page of 50 in 1,000,000 messages, private agent, p99",
                      f"{_num(by_side['private']['p99_ms'])} ms [{_num(by_side['private']['p99_ms_spread'][0])}–"
                      f"{_num(by_side['private']['p99_ms_spread'][1])}]",
-                     f"public member {_num(by_side['public']['p99_ms'])} ms", f"ratio ≤ {history['target_p99_ratio_max']:g}",
+                     f"public member {_num(by_side['public']['p99_ms'])} ms",
+                     f"ratio ≤ {history['target_p99_ratio_max']:g}",
                      f"{_verdict(history['meets_target'])} ({history['p99_ratio_private_over_public']:.2f})")
     doc = _load("private_agents.json")
     if doc is not None:
@@ -206,7 +213,8 @@ def private_agents() -> Iterator[Figure]:
             yield Figure(f"private_agents.py ({_run(doc)})",
                          "`@prefix` resolver p99, 10,000 private agents of 1,000 owners (lowest–highest prefix case)",
                          f"{_num(min(r['p99_ms'] for r in resolver))}–{_num(max(r['p99_ms'] for r in resolver))} ms",
-                         (f"`scope.get` {_num(min(r['p99_ms'] for r in floor))}–{_num(max(r['p99_ms'] for r in floor))} ms"
+                         (f"`scope.get` {_num(min(r['p99_ms'] for r in floor))}–"
+                          f"{_num(max(r['p99_ms'] for r in floor))} ms"
                           if floor else "—"), "—", "—")
 
 
@@ -252,7 +260,8 @@ def search() -> Iterator[Figure]:
     searches = [r for r in doc["results"] if r["side"] == "search"]
     scans = [r for r in doc["results"] if r["side"] == "ilike"]
     if searches:
-        yield Figure(f"search.py ({_run(doc)})", "`message.search` p99 over 1,000,000 messages (lowest–highest of 7 query kinds)",
+        yield Figure(f"search.py ({_run(doc)})",
+                     "`message.search` p99 over 1,000,000 messages (lowest–highest of 7 query kinds)",
                      f"{_num(min(r['p99_ms'] for r in searches))}–{_num(max(r['p99_ms'] for r in searches))} ms",
                      f"`ILIKE` {_num(min(r['p99_ms'] for r in scans))}–{_num(max(r['p99_ms'] for r in scans))} ms"
                      if scans else "—", "—", "—")

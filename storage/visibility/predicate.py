@@ -12,9 +12,9 @@ grant or collaborator id when one made it readable ('grant:grt_…').
   its own private interval ('same_owner_agent'), or a member inside one of O's
   grant ('grant') or People collaborator ('collaborator') windows on the
   scope's chain (the scope, and for a thread or a task its parent channel —
-  the board's, for a task; never a sibling).  A window covers a message by workspace_global_seq, and an expiring
-  one only while created_at < expires_at: revocation and expiry are never
-  retroactive in either direction.
+  the board's, for a task; never a sibling).  A window covers a message by
+  workspace_global_seq, and an expiring one only while created_at < expires_at:
+  revocation and expiry are never retroactive in either direction.
 - A private agent also reads, in any scope, the source of an owner_quote that
   its owner wrote inside the agent's interval of the quote's scope
   ('source_ref').
