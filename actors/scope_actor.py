@@ -44,6 +44,7 @@ from actors.planner import PlanRefused, mention_handles, plan_message
 from actors.policy import can_add_member
 from actors.routing_tokens import TooManyRoutingTokens
 from domain.authority import ScopeAuthority, private_read_reason
+from domain.credentials import CredentialProof, StaleCredential
 from domain.routing import RoutedDelivery
 from domain.strands import effective_level
 from domain.routing import AUDIENCE_MENTION, REACTION, SILENCED_STATES, UNPUSHED_STATES, WATCH, Route
@@ -154,6 +155,8 @@ class CreateScope(Command):
 @dataclass
 class Send(Command):
     intent: MessageIntent
+    # Set when the server served the request from a cached context: re-checked in this batch.
+    proof: CredentialProof | None = None
 
 
 @dataclass
@@ -609,6 +612,14 @@ class ScopeActor:
             if (fence["write_fenced"] or fence["state"] != "active"
                     or command.actor.execution_generation != fence["active_generation"]):
                 outcomes[index] = WriteFenced("stale execution generation or fenced workspace")
+        proofs = {c.proof for i, c in enumerate(batch)
+                  if outcomes[i] is None and isinstance(c, Send) and c.proof is not None}
+        if proofs:
+            # After the fence's lock: a revocation that committed before this statement refuses the send.
+            stale = await tenancy.stale_proofs(conn, proofs)
+            for index, command in enumerate(batch):
+                if isinstance(command, Send) and command.proof in stale:
+                    outcomes[index] = StaleCredential()
         sends = [(i, c) for i, c in enumerate(batch) if isinstance(c, Send) and outcomes[i] is None]
         if sends:
             await self._apply_sends(conn, state, batch, sends, outcomes)

@@ -53,6 +53,7 @@ import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
+import urllib.request  # noqa: E402
 from typing import Any  # noqa: E402
 from urllib.parse import urlsplit  # noqa: E402
 
@@ -357,8 +358,25 @@ def _clients(url: str, plan: list[tuple[str, str]], args: argparse.Namespace, sc
     return procs
 
 
-def _drive(procs: list[subprocess.Popen], server_pid: int, pg_pid: int | None) -> tuple[list[dict[str, Any]], dict]:
+def _server_batches(url: str) -> tuple[float, float, float]:
+    """The server's committed actor batches so far: (count, commands, seconds), from its /metrics."""
+    parts = urlsplit(url)
+    with urllib.request.urlopen(f"http://{parts.hostname}:{parts.port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    values = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ("scopewire_actor_batch_size_count", "scopewire_actor_batch_size_sum",
+                    "scopewire_actor_commit_duration_seconds_sum"):
+            values[name] = float(value)
+    return (values["scopewire_actor_batch_size_count"], values["scopewire_actor_batch_size_sum"],
+            values["scopewire_actor_commit_duration_seconds_sum"])
+
+
+def _drive(procs: list[subprocess.Popen], server_pid: int, pg_pid: int | None,
+           url: str) -> tuple[list[dict[str, Any]], dict]:
     server0, pg0 = proc_cpu_s(server_pid), process_tree_cpu_seconds(pg_pid)
+    batches0 = _server_batches(url)
     t0 = time.perf_counter()
     for proc in procs:
         proc.stdin.write("go\n")
@@ -368,8 +386,12 @@ def _drive(procs: list[subprocess.Popen], server_pid: int, pg_pid: int | None) -
     for proc in procs:
         proc.wait(30)
     server1, pg1 = proc_cpu_s(server_pid), process_tree_cpu_seconds(pg_pid)
+    batches, commands, seconds = (after - before for after, before in zip(_server_batches(url), batches0))
     return reports, {"server_cpu_s": server1 - server0, "postgres_cpu_s": (pg1 - pg0) if pg0 is not None else None,
-                     "clients_cpu_s": sum(r["cpu_s"] for r in reports), "wall_s": wall}
+                     "clients_cpu_s": sum(r["cpu_s"] for r in reports), "wall_s": wall,
+                     "batches": {"batches": int(batches),
+                                 "batch_size_mean": round(commands / batches, 2) if batches else None,
+                                 "commit_ms_mean": round(seconds / batches * 1e3, 3) if batches else None}}
 
 
 def run_websocket(fx: Fixture, args: argparse.Namespace, pool: PoolSettings, scratch: Path, tag: str,
@@ -392,9 +414,9 @@ def run_websocket(fx: Fixture, args: argparse.Namespace, pool: PoolSettings, scr
             plan = list(zip(fx.keys, _assignment(n, layouts[shape])))
             warm = _clients(url, plan, argparse.Namespace(**{**vars(args), "duration": args.warmup}), scratch,
                             f"{tag}-{shape}-warm", rate)
-            _drive(warm, server.pid, pg_pid)
+            _drive(warm, server.pid, pg_pid, url)
             procs = _clients(url, plan, args, scratch, f"{tag}-{shape}", rate)
-            reports, cpu = _drive(procs, server.pid, pg_pid)
+            reports, cpu = _drive(procs, server.pid, pg_pid, url)
             acked = sum(r["acked"] for r in reports)
             latencies = sorted(x for r in reports for x in r["latencies_ms"])
             errors: dict[str, int] = {}
@@ -410,6 +432,7 @@ def run_websocket(fx: Fixture, args: argparse.Namespace, pool: PoolSettings, scr
                 "postgres_cpu_us_per_send": round(cpu["postgres_cpu_s"] / acked * 1e6, 1)
                 if acked and cpu["postgres_cpu_s"] is not None else None,
                 "clients_cpu_us_per_send": round(cpu["clients_cpu_s"] / acked * 1e6, 1) if acked else None,
+                "server_batches": cpu["batches"],
             }
     finally:
         server.terminate()
@@ -494,7 +517,8 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
             ws = clones.run(fx.sends, lambda s: run_websocket(dataclasses.replace(fx, sends=s), args, pool, scratch,
                                                              f"r{repeat}", actor["hot"]["sends_per_s"], pg_pid))
             log(f"repeat {repeat}: websocket " + "  ".join(
-                f"{k} {ws[k]['sends_per_s']:,.0f}/s p50 {ws[k]['p50_ms']} ms" for k in (*SHAPES, "light")))
+                f"{k} {ws[k]['sends_per_s']:,.0f}/s p50 {ws[k]['p50_ms']} ms "
+                f"(batches of {ws[k]['server_batches']['batch_size_mean']})" for k in (*SHAPES, "light")))
             actor.pop("database", None)
             ws.pop("database", None)
             repeats.append({"repeat": repeat, "actor": actor, "websocket": ws})

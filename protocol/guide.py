@@ -28,7 +28,9 @@ AUTH_FLOW = (
     "authenticates the connection), `auth` (exactly one of `token` — a session token — or `api_key`) or "
     "`invitation.accept`. Every other op before that answers `unauthenticated`; a connection that does not "
     "authenticate within the server's auth timeout is closed with 4401. A session token or key that is revoked "
-    "or expires later closes the connection with 4403. A session may act in every workspace it belongs to "
+    "or expires later closes the connection with 4403; until that close arrives, every command re-checks the "
+    "credential and the membership (a `message.send` inside its own write), so a command that arrives after "
+    "the revocation committed is refused. A session may act in every workspace it belongs to "
     "(name one with `workspace_id`; without it a multi-workspace session answers `workspace_required`); an "
     "API key is bound to its workspace and member."
 )

@@ -43,7 +43,7 @@ from server.limits import ConnectionAdmission, KeyedRateLimiter, TokenBucket, wa
 from server import transport
 from server.attachments import Attachments
 from server.cluster import ClusterNode, link_key
-from server.auth import Authenticator
+from server.auth import Authenticator, CachedContext
 from server.config import ServerConfig
 from server.context import Principal
 from server.metrics import ServerMetrics
@@ -91,6 +91,8 @@ class Connection:
     # Workspaces a session has acted in (None until its first workspace request):
     # a removal or suspension there closes it.
     workspaces: set[str] | None = None
+    # The context its message.send requests are served from (server/auth.CachedContext).
+    cached_context: CachedContext | None = None
 
     def acted_in(self, workspace_id: str) -> None:
         if self.workspaces is None:
@@ -557,6 +559,8 @@ class Server:
                 note = None
                 with trio.move_on_after(backoff if resync_due else self.config.expiry_sweep_seconds):
                     note = await notifications.receive()
+                if resync_due or note is not None:
+                    self.auth.forget_cached_contexts()
                 try:
                     if resync_due or (note is not None and note.resync):
                         resync_due = True
@@ -570,6 +574,7 @@ class Server:
                     if resync_due:
                         backoff = min(backoff * 2, RESYNC_BACKOFF_MAX)
                     resync_due = True
+                    self.auth.forget_cached_contexts()
                 await self._close_expired()
 
     def _in_workspace(self, workspace_id: str) -> list[Connection]:

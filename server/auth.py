@@ -7,12 +7,14 @@ membership or suspended workspace → forbidden."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import asyncpg
 import trio
 
+from domain.credentials import CredentialProof
 from protocol.errors import ErrorCode, ProtocolError
 from server.context import SYSTEM, Principal, RequestContext, WorkspaceContext
 from server.credentials import (
@@ -48,10 +50,31 @@ class Session:
     principal: Principal
 
 
+# Scopes a connection's cached context remembers before it starts afresh.
+CACHED_SCOPES_PER_CONNECTION = 32
+
+
+@dataclass(slots=True)
+class CachedContext:
+    """A connection's request context for `message.send` (server/handlers.py),
+    reused without a database round trip.  Safe because the send's batch
+    transaction re-checks `proof` (a revocation committed before the write
+    refuses it, and the request is then served afresh), and dropped as soon as
+    this server hears of any credential or membership change (`generation`)."""
+
+    workspace: WorkspaceContext
+    proof: CredentialProof
+    generation: int
+    scopes: dict[str, Any]  # scope id → its readable `scope_for_viewer` row
+
+
 class Authenticator:
     def __init__(self, db: Database, signer: SessionSigner, session_ttl_seconds: int,
                  throttle: LoginThrottle | None = None) -> None:
         self.db = db
+        self.cache_generation = 0
+        # The clock that expires sessions and keys (a test moves it).
+        self.wall_clock: Callable[[], float] = time.time
         self.signer = signer
         self.session_ttl_seconds = session_ttl_seconds
         # Failed login and auth attempts, per account and per source address (server/limits.py).
@@ -110,7 +133,7 @@ class Authenticator:
         principal = Principal(kind="api_key", account_id=row["account_id"], api_key_id=row["api_key_id"],
                               key_workspace_id=row["workspace_id"], key_member_id=row["member_id"],
                               key_scopes=tuple(row["scopes"]))
-        return principal, _api_key_workspace_context(row, principal)
+        return principal, _api_key_workspace_context(row, principal, self.wall_clock())
 
     async def from_operator_key(self, key: str, *, source: str | None = None) -> Principal:
         keys = self.throttle.keys(address=source)
@@ -124,26 +147,27 @@ class Authenticator:
     async def revalidate(self, principal: Principal, expires_at: float | None = None) -> None:
         """The credential is still good: not revoked, not expired, account active."""
         if principal.kind == "account":
-            if expires_at is not None and expires_at <= time.time():
+            if expires_at is not None and expires_at <= self.wall_clock():
                 raise unauthenticated("session token expired")
             _check_session(principal, await self.db.run(tenancy.account_session_state, principal.account_id))
         elif principal.kind == "api_key":
             row = await self.db.run(tenancy.api_key_state, principal.api_key_id)
             if row is None or row["status"] != "active" or (
-                    row["expires_at"] is not None and row["expires_at"].timestamp() <= time.time()):
+                    row["expires_at"] is not None and row["expires_at"].timestamp() <= self.wall_clock()):
                 raise unauthenticated("API key revoked or expired")
         elif principal.kind == "operator":
             if not await self.db.run(platform.operator_key_live, principal.operator_key_id):
                 raise unauthenticated("operator key revoked or operator disabled")
 
     async def request_workspace(self, principal: Principal, expires_at: float | None, requested: str | None,
-                                edition: str | None,
-                                scope_id: str | None = None) -> tuple[WorkspaceContext, dict[str, Any]]:
+                                edition: str | None, scope_id: str | None = None
+                                ) -> tuple[WorkspaceContext, dict[str, Any], CredentialProof | None]:
         """`revalidate` and `workspace_context` in one database unit — every
         workspace request re-checks its credential and its membership, and a
         busy server should pay one round trip for it, not three — plus, when
         the request names a scope, that scope as this member may see it
-        (`messages.scope_for_viewer`), returned as {scope_id: row or None}."""
+        (`messages.scope_for_viewer`), returned as {scope_id: row or None};
+        and the proof of the context, when a cache may keep it (`CachedContext`)."""
         if scope_id is not None and not is_valid_id(scope_id, "scp"):
             scope_id = None
         if principal.kind == "api_key":
@@ -153,16 +177,49 @@ class Authenticator:
             row, scope = await self.db.run(_key_context_and_scope, principal.api_key_id, scope_id)
             if row is None:
                 raise unauthenticated("API key revoked")
-            return _api_key_workspace_context(row, principal), _prefetched(scope_id, scope)
+            context = _api_key_workspace_context(row, principal, self.wall_clock())
+            return context, _prefetched(scope_id, scope), tenancy.key_proof(row)
         if principal.kind != "account" or requested is None or not is_valid_id(requested, "wsp"):
             await self.revalidate(principal, expires_at)
-            return await self.workspace_context(principal, requested, edition), {}
-        if expires_at is not None and expires_at <= time.time():
+            return await self.workspace_context(principal, requested, edition), {}, None
+        if expires_at is not None and expires_at <= self.wall_clock():
             raise unauthenticated("session token expired")
         session, row, scope = await self.db.run(_session_membership_and_scope, principal.account_id, requested,
                                                 scope_id)
         _check_session(principal, session)
-        return _account_workspace_context(row), _prefetched(scope_id, scope)
+        return _account_workspace_context(row), _prefetched(scope_id, scope), tenancy.session_proof(session, row)
+
+    def forget_cached_contexts(self) -> None:
+        """Credentials or memberships changed somewhere (or may have: a lost
+        listener): no cached context is served again."""
+        self.cache_generation += 1
+
+    def cache_context(self, workspace: WorkspaceContext, scopes: dict[str, Any],
+                      proof: CredentialProof | None, previous: CachedContext | None) -> CachedContext | None:
+        """What a connection may serve its next sends from (see `cached_context`)."""
+        if proof is None:
+            return previous
+        if (previous is None or previous.proof != proof or previous.generation != self.cache_generation
+                or len(previous.scopes) >= CACHED_SCOPES_PER_CONNECTION):
+            previous = CachedContext(workspace, proof, self.cache_generation, {})
+        # Only scopes the member may read: "not found" is never served from the cache.
+        previous.scopes.update((scope_id, row) for scope_id, row in scopes.items()
+                               if row is not None and row["readable"])
+        return previous
+
+    def cached_context(self, cached: CachedContext | None, expires_at: float | None, requested: str | None,
+                       scope_id: Any) -> CachedContext | None:
+        """The connection's cached context, if it may serve this request: nothing
+        revoked since (as far as this server has heard — the write re-checks the
+        proof in its own transaction), unexpired, the same workspace, a scope it read."""
+        if (cached is None or cached.generation != self.cache_generation
+                or (requested is not None and requested != cached.workspace.workspace_id)
+                or scope_id not in cached.scopes):
+            return None
+        now = self.wall_clock()
+        if any(expiry is not None and expiry <= now for expiry in (expires_at, cached.proof.expires_at)):
+            return None
+        return cached
 
     async def workspace_context(self, principal: Principal, requested: str | None,
                                 edition: str | None) -> WorkspaceContext:
@@ -176,7 +233,7 @@ class Authenticator:
             row = await self.db.run(tenancy.api_key_context_by_id, principal.api_key_id)
             if row is None:
                 raise unauthenticated("API key revoked")
-            return _api_key_workspace_context(row, principal)
+            return _api_key_workspace_context(row, principal, self.wall_clock())
         if principal.kind == "system":
             if requested is None:
                 raise ProtocolError(ErrorCode.WORKSPACE_REQUIRED, "name a workspace")
@@ -240,8 +297,8 @@ def _account_workspace_context(row: asyncpg.Record | None) -> WorkspaceContext:
     )
 
 
-def _api_key_workspace_context(row: asyncpg.Record, principal: Principal) -> WorkspaceContext:
-    if row["key_status"] != "active" or (row["expires_at"] is not None and row["expires_at"].timestamp() <= time.time()):
+def _api_key_workspace_context(row: asyncpg.Record, principal: Principal, now: float) -> WorkspaceContext:
+    if row["key_status"] != "active" or (row["expires_at"] is not None and row["expires_at"].timestamp() <= now):
         raise unauthenticated("API key revoked or expired")
     _check_workspace_row(row)
     if row["member_kind"] == "agent" and row["owner_status"] != "active":

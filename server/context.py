@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from domain.credentials import CredentialProof
 from protocol.errors import ErrorCode, ProtocolError
 from server.rbac import Permission, Role
 
@@ -56,6 +57,8 @@ class RequestContext:
     # Scopes the request names, as the member may see them (storage row or None),
     # read in the same database unit as the membership check.
     scopes: dict = field(default_factory=dict)
+    # What a context served from the connection's cache was built from; a write re-checks it.
+    proof: CredentialProof | None = None
 
     def require(self, permission: Permission) -> WorkspaceContext:
         """The workspace context, if it grants `permission`; forbidden otherwise."""

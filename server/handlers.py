@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
+from domain.credentials import StaleCredential
 from protocol import frames as f
 from protocol import results
 from protocol.errors import ErrorCode, ProtocolError
@@ -20,6 +21,7 @@ from server.ops import (attachments, collaboration, deliveries, platform, platfo
                         service_accounts, strands)
 from server import tenancy as ops
 from server.context import RequestContext
+from storage.errors import DatabaseUnavailable, StorageError
 
 if TYPE_CHECKING:
     from server.app import Connection, Server
@@ -279,6 +281,11 @@ assert set(PUBLIC) | set(AUTHENTICATED) | set(IN_WORKSPACE) | set(PLATFORM) == s
     "every op needs a handler"
 
 
+# The hot write served from the connection's cached context (server/auth.CachedContext):
+# its batch transaction re-checks the context's proof, so revocation keeps its effect.
+SERVED_FROM_CACHE = frozenset({f.MessageSend})
+
+
 async def dispatch(server: Server, connection: Connection, request: f.Request) -> Any:
     """The request's result, of exactly the type protocol.results.RESULTS names for its op."""
     result = await _route(server, connection, request)
@@ -311,10 +318,30 @@ async def _route(server: Server, connection: Connection, request: f.Request) -> 
         await server.auth.revalidate(principal, expires_at=connection.session_expires_at)
         return await AUTHENTICATED[kind](server, connection, request,
                                          RequestContext(request_id=request.id, principal=principal))
-    workspace, scopes = await server.auth.request_workspace(principal, connection.session_expires_at,
-                                                            request.workspace_id, await server.edition(),
-                                                            getattr(request, "scope_id", None))
+    scope_id = getattr(request, "scope_id", None)
+    if kind in SERVED_FROM_CACHE:
+        cached = server.auth.cached_context(connection.cached_context, connection.session_expires_at,
+                                            request.workspace_id, scope_id)
+        if cached is not None:
+            try:
+                return await IN_WORKSPACE[kind](server, connection, request, RequestContext(
+                    request_id=request.id, principal=principal, workspace=cached.workspace,
+                    scopes={scope_id: cached.scopes[scope_id]}, proof=cached.proof))
+            except StaleCredential:
+                pass
+            except (ProtocolError, StorageError) as exc:
+                # Perhaps only the cache was stale (a scope left, a generation moved on):
+                # refused writes wrote nothing, so the request is served afresh below.
+                if isinstance(exc, DatabaseUnavailable) or (
+                        isinstance(exc, ProtocolError) and exc.code in (ErrorCode.INTERNAL, ErrorCode.UNAVAILABLE)):
+                    raise
+            connection.cached_context = None
+    workspace, scopes, proof = await server.auth.request_workspace(principal, connection.session_expires_at,
+                                                                   request.workspace_id, await server.edition(),
+                                                                   scope_id)
     ctx = RequestContext(request_id=request.id, principal=principal, workspace=workspace, scopes=scopes)
     if principal.kind == "account":
         connection.acted_in(workspace.workspace_id)
+    if kind in SERVED_FROM_CACHE:
+        connection.cached_context = server.auth.cache_context(workspace, scopes, proof, connection.cached_context)
     return await IN_WORKSPACE[kind](server, connection, request, ctx)

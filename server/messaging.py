@@ -17,6 +17,7 @@ import trio
 
 from actors import scope_actor as cmd
 from actors.fanout import CommittedEvent
+from domain.credentials import CredentialProof
 from domain.service_accounts import CONVERSATION_PREFIX
 from domain.plan import (ActorContext, ChannelProfile, CommittedMessage, MembershipMutation, MentionCandidate,
                          MessageIntent, RosterEntry, SourceRef)
@@ -321,8 +322,9 @@ async def scope_archive(server: Server, connection: Connection, request: f.Scope
 
 # --- sending ------------------------------------------------------------------------------------
 
-async def _send(server: Server, workspace: WorkspaceContext, scope_id: str, intent: MessageIntent) -> f.MessageInfo:
-    message = await _submit(server, scope_id, cmd.Send(_actor(workspace), intent))
+async def _send(server: Server, workspace: WorkspaceContext, scope_id: str, intent: MessageIntent,
+                proof: CredentialProof | None = None) -> f.MessageInfo:
+    message = await _submit(server, scope_id, cmd.Send(_actor(workspace), intent, proof))
     return message_info(message)
 
 
@@ -348,7 +350,8 @@ async def message_send(server: Server, connection: Connection, request: f.Messag
     return await _send(server, workspace, row["id"], MessageIntent(
         scope_id=row["id"], content=request.content, message_type=request.message_type,
         client_message_id=request.client_message_id, metadata=dict(request.metadata), sources=sources,
-        recipients=_recipients(request.recipient_member_ids), silent=request.silent, attachment_ids=attachment_ids))
+        recipients=_recipients(request.recipient_member_ids), silent=request.silent, attachment_ids=attachment_ids),
+        ctx.proof)
 
 
 async def thread_reply(server: Server, connection: Connection, request: f.ThreadReply,

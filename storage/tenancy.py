@@ -16,6 +16,7 @@ from datetime import datetime
 
 import asyncpg
 
+from domain.credentials import CredentialProof
 from domain.service_accounts import LifecycleChange
 from storage import human_lifecycle, platform_inputs
 from storage.errors import Conflict, Forbidden, NotFound, WriteFenced
@@ -386,6 +387,55 @@ async def api_key_context(conn: asyncpg.Connection, key_hash: bytes) -> asyncpg.
 
 async def api_key_context_by_id(conn: asyncpg.Connection, api_key_id: str) -> asyncpg.Record | None:
     return await conn.fetchrow(_API_KEY_CONTEXT + "WHERE k.id = $1", api_key_id)
+
+
+# --- proofs of cached request contexts (domain/credentials.py) ------------------------------
+
+# The columns a request context is derived from (server/auth.py): a session's
+# account state and membership context; a key's context row but its last use.
+_SESSION_PROOF = ("status", "token_version")
+_CONTEXT_PROOF = ("workspace_status", "active_generation", "write_fenced", "member_id", "member_kind",
+                  "member_status", "handle", "membership_id", "role", "membership_status", "membership_revision")
+_KEY_PROOF = ("key_status", "expires_at", "scopes", *_CONTEXT_PROOF, "owner_status")
+
+
+def _values(row: asyncpg.Record, columns: tuple[str, ...]) -> tuple:
+    return tuple(tuple(v) if isinstance(v, list) else v for v in (row[c] for c in columns))
+
+
+def key_proof(row: asyncpg.Record) -> CredentialProof:
+    """The proof of a context built from `api_key_context_by_id`'s row."""
+    expires_at = row["expires_at"].timestamp() if row["expires_at"] is not None else None
+    return CredentialProof("api_key", row["api_key_id"], row["workspace_id"], _values(row, _KEY_PROOF), expires_at)
+
+
+def session_proof(session: asyncpg.Record, context: asyncpg.Record) -> CredentialProof:
+    """The proof of a context built from `account_session_state` and `account_workspace_context`."""
+    return CredentialProof("account", session["id"], context["workspace_id"],
+                           _values(session, _SESSION_PROOF) + _values(context, _CONTEXT_PROOF))
+
+
+async def stale_proofs(conn: asyncpg.Connection, proofs: set[CredentialProof]) -> set[CredentialProof]:
+    """The proofs whose rows changed (or are gone) — at most two statements for
+    any number of proofs, so a write batch re-checks all of its cached contexts at once."""
+    current: set[CredentialProof] = set()
+    key_ids = sorted({p.credential_id for p in proofs if p.kind == "api_key"})
+    if key_ids:
+        current.update(key_proof(row) for row in await conn.fetch(
+            _API_KEY_CONTEXT + "WHERE k.id = ANY($1::text[])", key_ids))
+    pairs = sorted({(p.credential_id, p.workspace_id) for p in proofs if p.kind == "account"})
+    if pairs:
+        rows = await conn.fetch(
+            f"SELECT a.id, a.status, a.token_version, {_CONTEXT_COLUMNS} "
+            "FROM unnest($1::text[], $2::text[]) AS wanted(account_id, workspace_id) "
+            "JOIN accounts a ON a.id = wanted.account_id "
+            "JOIN workspace_memberships m ON m.workspace_id = wanted.workspace_id AND m.account_id = a.id "
+            "JOIN workspaces w ON w.id = m.workspace_id "
+            "JOIN workspace_execution_states e ON e.workspace_id = m.workspace_id "
+            "JOIN members mem ON mem.workspace_id = m.workspace_id AND mem.workspace_membership_id = m.id",
+            [a for a, _ in pairs], [w for _, w in pairs])
+        current.update(session_proof(row, row) for row in rows)
+    return proofs - current
 
 
 async def api_key_state(conn: asyncpg.Connection, api_key_id: str) -> asyncpg.Record | None:

@@ -140,6 +140,9 @@ async def _disconnect_schedule(dsn: str, schedule: list[int]) -> None:
 
 async def test_workspace_feed_delivers_entitled_scopes_in_global_order(app: App, tenants, member_password_hash):
     alpha, _ = tenants
+    # Live events that arrive while the subscribe's replay runs wait in its backlog: this
+    # module's 8 (for its slow-consumer tests) is less than the 40 concurrent sends below.
+    app.server.config = dataclasses.replace(app.server.config, push_buffer_events=1024)
     ws = {"workspace_id": alpha.workspace_id}
     bob = await add_person(app.db, alpha.workspace_id, "bob@example.com", "developer", member_password_hash)
     async with await signed_in(app, alpha.owner) as owner, await signed_in(app, bob) as listener:
