@@ -7,7 +7,8 @@ with an API key), then a CHECKPOINT:
 
   actor      in this process: `ScopeRegistry.submit(scope, Send(...))` from --senders
              closed-loop trio tasks, each a distinct agent member (bench/send.py's actor
-             side, holding the scope's lease as `serve` does): what the actor commits alone.
+             side, holding the scope's lease and handing inline-delivery marks to an
+             InlineSettler, as `serve` does): what the actor commits alone.
   websocket  `python -m server.cli serve --database-url <clone> --port 0`, a separate
              process; the same --senders agents, each on its own WebSocket authenticated by
              its own API key, in --client-procs raw-socket client processes (RFC 6455 framing
@@ -15,16 +16,18 @@ with an API key), then a CHECKPOINT:
              for its result, sends again.  A send counts once its result (the committed
              message) is back: persisted and acknowledged.
 Both sides run two shapes for --duration seconds each, after --warmup seconds: `hot` (every
-sender into one scope) and `spread` (the senders over --scopes scopes).  Then, on the
-websocket side only, `light`: one scope again, at an open-loop offered rate of
---light-fraction (20 %) of the actor's hot rate in this repeat, spread over the same
-connections, for the send → result latency at that load.  The run also probes one 8 KiB
-write + fdatasync in the cluster's data directory: the floor under a durable commit.
+sender into one scope) and `spread` (the senders over --scopes scopes).  Then `light`: one
+scope again, at an open-loop offered rate of --light-fraction (20 %) of the actor's hot
+rate in this repeat, round robin over the same senders, for the send → result latency at
+that load (on the actor side: submit → reply, the floor under the websocket's).  The run
+also probes one 8 KiB write + fdatasync in the cluster's data directory: the floor under a
+durable commit.
 
 Reported per shape: sends/s (median over repeats and the spread), websocket ÷ actor per
 repeat and of the medians, CPU per send (this process or the server, PostgreSQL, the
-client processes), and for `light` the send → result p50/p99.  Every scope's seqs are
-checked to be 1..N after each run.
+client processes), the batches each side committed (the server's from its /metrics), and
+for `light` the p50/p99 of both sides.  Every scope's seqs are checked to be 1..N after
+each run.
 Targets (issue 11): websocket ÷ actor >= 0.7 (hot and spread); light p50 <= 5 ms.
 
     python bench/ws_send.py                 # 3 repeats, 10 s per shape
@@ -61,6 +64,7 @@ import asyncpg  # noqa: E402
 import trio  # noqa: E402
 
 from actors.fanout import FanoutHub  # noqa: E402
+from actors.inline_settler import InlineSettler  # noqa: E402
 from actors.registry import ScopeRegistry  # noqa: E402
 from actors.scope_actor import Send  # noqa: E402
 from bench import send as send_bench  # noqa: E402
@@ -278,8 +282,12 @@ def run_actor(fx: Fixture, args: argparse.Namespace, pool: PoolSettings, meter: 
         async with Database(fx.sends.dsn, pool) as db:
             counter = send_bench.TxCounter(db)
             async with trio.open_nursery() as nursery:
+                # As the server runs it: a scope whose mailbox runs empty hands its inline-delivery
+                # marks to the settler instead of committing a transaction of its own.
+                settler = InlineSettler(db)
+                await nursery.start(settler.run)
                 registry = ScopeRegistry(db, FanoutHub(), nursery, idle_seconds=600.0,
-                                         ownership=await send_bench._one_node(db))
+                                         ownership=await send_bench._one_node(db), settle_later=settler.settle)
                 for shape in SHAPES:
                     scope_ids = await _scopes(db, fx, 1 if shape == "hot" else args.scopes)
                     targets = _assignment(n, scope_ids)
@@ -313,10 +321,39 @@ def run_actor(fx: Fixture, args: argparse.Namespace, pool: PoolSettings, meter: 
                                   "postgres_cpu_us_per_send": round(cpu["postgres_cpu_s"] / sends * 1e6, 1)
                                   if cpu["postgres_cpu_s"] is not None else None,
                                   "tx": stats.report(args.duration), "gap_free": await _check(db, scope_ids)}
+                out["light"] = await _actor_light(registry, fx, args, await _scopes(db, fx, 1),
+                                                  out["hot"]["sends_per_s"] * args.light_fraction, content)
                 nursery.cancel_scope.cancel()
         return out
 
     return trio.run(main)
+
+
+async def _actor_light(registry: ScopeRegistry, fx: Fixture, args: argparse.Namespace, scope_ids: list[str],
+                       rate: float, content: str) -> dict[str, Any]:
+    """The light shape on the actor alone: the same open loop (round robin over the
+    senders, on schedule whether or not earlier sends were answered), submit → reply."""
+    latencies: list[float] = []
+    interval = 1.0 / rate
+
+    async def send(i: int, scheduled: float, measured: bool) -> None:
+        await registry.submit(scope_ids[0], Send(fx.sends.agent_actor(i), MessageIntent(
+            scope_id=scope_ids[0], content=content)))
+        if measured:
+            latencies.append((trio.current_time() - scheduled) * 1000)
+
+    async with trio.open_nursery() as sends:
+        start = trio.current_time()
+        measuring_from, deadline = start + args.warmup, start + args.warmup + args.duration
+        next_at, turn = start, 0
+        while next_at < deadline:
+            await trio.sleep_until(next_at)
+            sends.start_soon(send, turn % len(fx.keys), next_at, next_at >= measuring_from)
+            turn += 1
+            next_at += interval
+    latencies.sort()
+    return {"offered_per_s": round(rate, 1), "sends": len(latencies),
+            "p50_ms": round(percentile(latencies, 0.50), 3), "p99_ms": round(percentile(latencies, 0.99), 3)}
 
 
 # ============================================================================ the websocket side
@@ -476,7 +513,10 @@ def summarize(repeats: list[dict[str, Any]]) -> dict[str, Any]:
         }
     light = [r["websocket"]["light"] for r in repeats]
     p50 = [x["p50_ms"] for x in light]
+    actor_p50 = [r["actor"]["light"]["p50_ms"] for r in repeats]
     summary["light"] = {
+        "actor_p50_ms": {"median": statistics.median(actor_p50), "min": min(actor_p50), "max": max(actor_p50),
+                         "all": actor_p50},
         "offered_per_s": [x["offered_per_s"] for x in light],
         "acked_per_s": [x["sends_per_s"] for x in light],
         "p50_ms": {"median": statistics.median(p50), "min": min(p50), "max": max(p50), "all": p50},
@@ -513,7 +553,8 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         repeats = []
         for repeat in range(args.repeats):
             actor = clones.run(fx.sends, lambda s: run_actor(dataclasses.replace(fx, sends=s), args, pool, meter))
-            log(f"repeat {repeat}: actor " + "  ".join(f"{k} {actor[k]['sends_per_s']:,.0f}/s" for k in SHAPES))
+            log(f"repeat {repeat}: actor " + "  ".join(f"{k} {actor[k]['sends_per_s']:,.0f}/s" for k in SHAPES)
+                + f"  light p50 {actor['light']['p50_ms']} ms")
             ws = clones.run(fx.sends, lambda s: run_websocket(dataclasses.replace(fx, sends=s), args, pool, scratch,
                                                              f"r{repeat}", actor["hot"]["sends_per_s"], pg_pid))
             log(f"repeat {repeat}: websocket " + "  ".join(
@@ -579,7 +620,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{x['websocket_sends_per_s']['median']:>8,.0f}/s  ratio {x['ratio_websocket_over_actor']:.2f} "
               f"(per repeat {x['ratio_per_repeat']})  target >= {RATIO_TARGET}: {'met' if x['met'] else 'NOT met'}")
     light = s["light"]
-    print(f"light   send -> result p50 {light['p50_ms']['median']} ms (p99 {light['p99_ms']['median']} ms) at "
+    print(f"light   send -> result p50 {light['p50_ms']['median']} ms (p99 {light['p99_ms']['median']} ms; "
+          f"the actor alone {light['actor_p50_ms']['median']} ms) at "
           f"{light['offered_per_s']} msg/s offered  target <= {LIGHT_P50_TARGET_MS} ms: "
           f"{'met' if light['met'] else 'NOT met'}")
     args.output.parent.mkdir(parents=True, exist_ok=True)
