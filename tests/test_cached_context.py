@@ -1,16 +1,17 @@
 """`message.send` is served from the connection's cached context
 (server/auth.CachedContext) without re-reading the credential first; its batch
-transaction re-checks what the context was built from.  Here every change is
+transaction re-checks what the context was built from.  The changes here are
 written straight into the database with no NOTIFY — as another node's change
 whose notification has not arrived yet — so only that in-transaction check can
 refuse: the next send answers exactly as an uncached one would, and writes
-nothing when refused."""
+nothing when refused.  The last test covers the NOTIFY side."""
 
 from __future__ import annotations
 
 import time
 
 import pytest
+import trio
 
 from client import connect
 from tests.conftest import App
@@ -75,6 +76,12 @@ async def test_a_silent_change_refuses_the_next_cached_send(app: App, team, cred
         else:
             await expect_error(expected, send)
             assert await _message_count(app, channel["id"]) == before
+        # Every other command re-checks on its own, before it is served.
+        read = sender.call("scope.get", scope_id=channel["id"], **ws)
+        if expected is None or change == "role without message.write":  # a viewer still reads
+            await read
+        else:
+            await expect_error(expected, read)
 
 
 async def test_a_cached_send_after_leaving_the_scope_answers_as_an_uncached_one(app: App, team):
@@ -123,3 +130,32 @@ async def test_a_credential_that_expires_is_not_served_from_the_cache(app: App, 
         await expect_error("unauthenticated",
                            sender.call("message.send", scope_id=channel["id"], content="too late", **ws))
         assert await _message_count(app, channel["id"]) == before
+
+
+async def test_any_credential_notification_drops_every_cached_context(app: App, team):
+    """The NOTIFY that revokes one key also stops every other connection's
+    cached context from being served (the write's re-check is the guarantee;
+    this keeps the server from serving what it knows may be stale)."""
+    alpha, _, bob, _ = team
+    ws = {"workspace_id": alpha.workspace_id}
+    async with await signed_in(app, alpha.owner) as owner:
+        channel = await open_channel(owner, alpha.workspace_id, "team", [bob.member_id])
+        kept = await owner.call("apikey.create", name="kept", member_id=bob.member_id, **ws)
+        revoked = await owner.call("apikey.create", name="revoked", member_id=bob.member_id, **ws)
+        async with connect(app.url) as sender, connect(app.url) as doomed:
+            await sender.auth(api_key=kept["key"])
+            await doomed.auth(api_key=revoked["key"])
+            await sender.call("message.send", scope_id=channel["id"], content="fills the cache", **ws)
+            [connection] = app.server.connections.of_api_key(kept["id"])
+            auth = app.server.auth
+
+            def served() -> bool:
+                return auth.cached_context(connection.cached_context, None, None, channel["id"]) is not None
+
+            assert served()
+            await owner.call("apikey.revoke", api_key_id=revoked["id"], **ws)
+            with trio.fail_after(10):
+                await doomed.wait_closed()  # the watcher has handled the notification
+            assert not served()
+            await sender.call("message.send", scope_id=channel["id"], content="afresh, then cached again", **ws)
+            assert served()
