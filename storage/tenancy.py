@@ -332,6 +332,12 @@ _CONTEXT_COLUMNS = (
     "mem.id AS member_id, mem.kind AS member_kind, mem.status AS member_status, mem.handle, "
     "m.id AS membership_id, m.role, m.status AS membership_status, m.projection_revision AS membership_revision"
 )
+# From a membership `m` to its workspace, execution state and member (the columns above).
+_MEMBERSHIP_CONTEXT_JOINS = (
+    "JOIN workspaces w ON w.id = m.workspace_id "
+    "JOIN workspace_execution_states e ON e.workspace_id = m.workspace_id "
+    "JOIN members mem ON mem.workspace_id = m.workspace_id AND mem.workspace_membership_id = m.id"
+)
 
 
 async def account_workspace_context(conn: asyncpg.Connection, account_id: str,
@@ -339,10 +345,7 @@ async def account_workspace_context(conn: asyncpg.Connection, account_id: str,
     """Membership, member, workspace and execution state of an account in one
     workspace; None when it has no membership there (any status)."""
     return await conn.fetchrow(
-        f"SELECT {_CONTEXT_COLUMNS} FROM workspace_memberships m "
-        "JOIN workspaces w ON w.id = m.workspace_id "
-        "JOIN workspace_execution_states e ON e.workspace_id = m.workspace_id "
-        "JOIN members mem ON mem.workspace_id = m.workspace_id AND mem.workspace_membership_id = m.id "
+        f"SELECT {_CONTEXT_COLUMNS} FROM workspace_memberships m {_MEMBERSHIP_CONTEXT_JOINS} "
         "WHERE m.workspace_id = $1 AND m.account_id = $2",
         workspace_id, account_id,
     )
@@ -430,9 +433,7 @@ async def stale_proofs(conn: asyncpg.Connection, proofs: set[CredentialProof]) -
             "FROM unnest($1::text[], $2::text[]) AS wanted(account_id, workspace_id) "
             "JOIN accounts a ON a.id = wanted.account_id "
             "JOIN workspace_memberships m ON m.workspace_id = wanted.workspace_id AND m.account_id = a.id "
-            "JOIN workspaces w ON w.id = m.workspace_id "
-            "JOIN workspace_execution_states e ON e.workspace_id = m.workspace_id "
-            "JOIN members mem ON mem.workspace_id = m.workspace_id AND mem.workspace_membership_id = m.id",
+            f"{_MEMBERSHIP_CONTEXT_JOINS}",
             [a for a, _ in pairs], [w for _, w in pairs])
         current.update(session_proof(row, row) for row in rows)
     return proofs - current
