@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("scopewire.realtime")
 
 BACKFILL_PAGE = 200
+SKIPPED_AHEAD_LIMIT = 256  # feed steps remembered out of order per connection
 MESSAGE_CREATED = "message.created"
 
 
@@ -73,7 +74,7 @@ class PushState:
     """One connection's subscriptions, cursors and delivery (the hub's Sink)."""
 
     __slots__ = ("server", "connection", "workspace_id", "member_id", "subscription", "scope_cursors",
-                 "global_cursor", "_ws", "_binary", "_buffer_limit", "_backlog", "_catch_up_due")
+                 "global_cursor", "_skipped_ahead", "_ws", "_binary", "_buffer_limit", "_backlog", "_catch_up_due")
 
     def __init__(self, server: Server, connection: Connection, workspace_id: str, member_id: str) -> None:
         self.server = server
@@ -83,6 +84,9 @@ class PushState:
         self.subscription = server.hub.subscribe(member_id, self)
         self.scope_cursors: dict[str, int] = {}
         self.global_cursor: int | None = None
+        # Feed steps skipped before the step under them arrived: two scopes' publications
+        # can reach the hub out of commit order.  None while empty (most connections).
+        self._skipped_ahead: set[int] | None = None
         self._ws = connection.ws
         self._binary = connection.ws.binary
         self._buffer_limit = server.config.push_buffer_bytes
@@ -124,8 +128,7 @@ class PushState:
             if event.seq != cursor + 1:
                 return False
             self.scope_cursors[event.scope_id] = event.seq
-            if self.global_cursor is not None and event.global_seq == self.global_cursor + 1:
-                self.global_cursor = event.global_seq
+            self._pass_global(event.global_seq)
             return True
         if self.global_cursor is None:
             return None
@@ -133,8 +136,32 @@ class PushState:
             return None
         if event.global_seq != self.global_cursor + 1:
             return False
-        self.global_cursor = event.global_seq
+        self._move_global(event.global_seq)
         return True
+
+    def _move_global(self, global_seq: int) -> None:
+        """The feed cursor moves to `global_seq`, and on over the steps skipped ahead of it."""
+        ahead = self._skipped_ahead
+        if ahead:
+            while global_seq + 1 in ahead:
+                global_seq += 1
+            ahead = {step for step in ahead if step > global_seq}
+            self._skipped_ahead = ahead or None
+        self.global_cursor = global_seq
+
+    def _pass_global(self, global_seq: int | None) -> None:
+        """A live step of the feed that is not written through the feed cursor: the
+        next step moves the cursor; a later one is remembered until the ones under it
+        arrive, so it does not read as a gap (bounded: past that, a replay fills it)."""
+        cursor = self.global_cursor
+        if cursor is None or global_seq is None or global_seq <= cursor:
+            return
+        if global_seq == cursor + 1:
+            self._move_global(global_seq)
+        elif self._skipped_ahead is None:
+            self._skipped_ahead = {global_seq}
+        elif len(self._skipped_ahead) < SKIPPED_AHEAD_LIMIT:
+            self._skipped_ahead.add(global_seq)
 
     def skip(self, event: CommittedEvent) -> None:
         # A message this member may not read (elsewhere in the workspace, or one a
@@ -143,13 +170,11 @@ class PushState:
         if self._backlog is not None or event.event != MESSAGE_CREATED or event.seq is None:
             return
         cursor = self.scope_cursors.get(event.scope_id)
-        if cursor is not None:
-            if event.seq == cursor + 1:
-                self.scope_cursors[event.scope_id] = event.seq
-                if self.global_cursor is not None and event.global_seq == self.global_cursor + 1:
-                    self.global_cursor = event.global_seq
-        elif self.global_cursor is not None and event.global_seq == self.global_cursor + 1:
-            self.global_cursor = event.global_seq
+        if cursor is None:
+            self._pass_global(event.global_seq)
+        elif event.seq == cursor + 1:
+            self.scope_cursors[event.scope_id] = event.seq
+            self._pass_global(event.global_seq)
 
     def write(self, frames: list[bytes]) -> None:
         ws = self._ws
@@ -236,7 +261,7 @@ class PushState:
             return True
         if self.global_cursor is None or event.global_seq <= self.global_cursor:
             return False
-        self.global_cursor = event.global_seq
+        self._move_global(event.global_seq)
         return True
 
     async def _send_message(self, message, kind: str = MESSAGE_CREATED) -> None:
@@ -249,7 +274,7 @@ class PushState:
         if scope_id in self.scope_cursors:
             self.scope_cursors[scope_id] = seq
         elif self.global_cursor is not None:
-            self.global_cursor = global_seq
+            self._move_global(global_seq)
 
     async def _catch_up(self) -> None:
         for scope_id in list(self.scope_cursors):
@@ -282,7 +307,7 @@ class PushState:
                     return
                 if row["scope_id"] in self.scope_cursors:
                     # A followed scope is delivered by its own cursor; just step over it.
-                    self.global_cursor = row["workspace_global_seq"]
+                    self._move_global(row["workspace_global_seq"])
                 else:
                     await self._send_message(_with_workspace(row, self.workspace_id))
             if len(rows) < BACKFILL_PAGE:

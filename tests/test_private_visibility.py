@@ -405,3 +405,43 @@ async def test_actors_started_together_hold_what_their_own_reload_reads(app: App
         assert (await b.call("message.send", scope_id=shared["id"], content="hi", **ws))["seq"] == 1
         assert (await scout.call("message.send", scope_id=shared["id"], content="on it", **ws))["seq"] == 2
         assert all(registry._actors.get(scope) is actor for scope, actor in started.items())
+
+
+async def test_a_feed_step_skipped_before_the_one_under_it_is_no_gap(app: App, world):
+    """Two scopes' publications can reach the hub out of commit order.  A message
+    the agent may not read that arrives before the one committed just under it is
+    still a step of its feed: the next readable message is no gap, so nothing is
+    replayed from the log — which would judge an old message by today's rules
+    (here: an owner_quote since makes its source readable) instead of the live rule."""
+    alpha, bob, carol, agent, channel, key, ws = world
+    scope = channel["id"]
+    hub = app.server.hub
+    publish_many = hub.publish_many
+    held: list = []
+
+    def reordering(items, **kwargs):
+        contents = {getattr(event.data, "content", None) for event, _ in items}
+        if "owner first" in contents:
+            held.append((items, kwargs))  # until the next publication has gone
+            return
+        publish_many(items, **kwargs)
+        while held:
+            earlier, earlier_kwargs = held.pop()
+            publish_many(earlier, **earlier_kwargs)
+
+    async with (await signed_in(app, alpha.owner) as owner, await signed_in(app, bob) as b,
+                as_agent(app, key) as scout):
+        await scout.call("subscribe", workspace_feed=True, **ws)
+        hub.publish_many = reordering
+        try:
+            first = await owner.call("message.send", scope_id=scope, content="owner first", **ws)
+            unseen = await b.call("message.send", scope_id=scope, content="bob unseen", **ws)
+            assert unseen["global_seq"] == first["global_seq"] + 1 and not held
+        finally:
+            hub.publish_many = publish_many
+        quote = await owner.call("message.forward", scope_id=scope, source_message_ids=[unseen["id"]],
+                                 mode="owner_quote", comment="look", **ws)
+        own = await scout.call("message.send", scope_id=scope, content="scout after", **ws)
+        received = [e["data"]["id"] for e in await _drain(scout, 3)]
+        assert received == [first["id"], quote["id"], own["id"]]
+        assert (await scout.call("message.get", message_id=unseen["id"], **ws))["message"]["content"] == "bob unseen"
