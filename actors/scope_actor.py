@@ -594,7 +594,14 @@ class ScopeActor:
 
     async def _apply_batch(self, conn: asyncpg.Connection, batch: list[Command], settling: list[str]) -> list[Any]:
         assert self.state is not None
-        await self._pass_lease_fence(conn)
+        fence = None
+        if self.lease is not None and not settling and all(
+                type(command).prelock is Command.prelock for command in batch):
+            # Nothing locks between the two gates: one round trip for both.
+            fence = await leases.pass_fence_and_share_execution_state(conn, self.scope_id, *self.lease,
+                                                                      self.state.workspace_id)
+        else:
+            await self._pass_lease_fence(conn)
         if self.state.type == "task":
             # A task's roster is its board channel's readers: re-read when the channel's moved.
             await self._refresh_parent(conn)
@@ -607,7 +614,8 @@ class ScopeActor:
         self._executions_in_batch = set()
         outcomes: list[Any] = [None] * len(batch)
         # One fence check per batch: the shared lock is held until commit (§10.3).
-        fence = await tenancy.execution_state_for_share(conn, state.workspace_id)
+        if fence is None:
+            fence = await tenancy.execution_state_for_share(conn, state.workspace_id)
         for index, command in enumerate(batch):
             if (fence["write_fenced"] or fence["state"] != "active"
                     or command.actor.execution_generation != fence["active_generation"]):

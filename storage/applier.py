@@ -213,46 +213,40 @@ async def insert_messages(conn: asyncpg.Connection, workspace_id: str, scope_id:
     search doc, one outbox row (none when silent).  `attachments[i]` (checked and
     locked by the caller) are claimed by message i and described in its metadata."""
     count = len(plans)
-    # The workspace counter row stays locked until commit: allocation order ==
-    # commit order within the workspace (see storage/schema.py).  One round trip for
-    # both tails: the scope's update reads the counter's new value.
-    tails = await conn.fetchrow(
-        "WITH g AS (INSERT INTO workspace_message_counters (workspace_id, latest_global_seq) VALUES ($1, $3) "
-        "ON CONFLICT (workspace_id) DO UPDATE SET latest_global_seq = workspace_message_counters.latest_global_seq + $3 "
-        "RETURNING latest_global_seq) "
-        "UPDATE scopes SET latest_seq = latest_seq + $3, latest_global_seq = (SELECT latest_global_seq FROM g), "
-        "latest_message_at = now(), updated_at = now() WHERE id = $2 RETURNING latest_seq, latest_global_seq, "
-        "now() AS created_at",  # the transaction's time: its messages' created_at (the column's default)
-        workspace_id, scope_id, count,
-    )
-    scope_tail, global_tail, created_at = tails["latest_seq"], tails["latest_global_seq"], tails["created_at"]
     ids = [new_id("msg") for _ in plans]
-    seqs = list(range(scope_tail - count + 1, scope_tail + 1))
-    global_seqs = list(range(global_tail - count + 1, global_tail + 1))
     metadata = [_metadata_for(plan) for plan in plans]
     for message_metadata, claimed in zip(metadata, attachments or ()):
         if claimed:
             message_metadata["attachments"] = claimed
     docs_sql, docs_args = search.docs_insert([
-        search.doc_for(message_id=i, workspace_id=workspace_id, scope_id=scope_id, seq=s, workspace_global_seq=g,
-                       author_member_id=p.actor.member_id, created_at=created_at, content=p.intent.content,
-                       metadata=m)
-        for i, s, g, p, m in zip(ids, seqs, global_seqs, plans, metadata)], 25, replace=False)
-    # The messages, their outbox rows and their search docs in one statement (their keys on the
-    # message are checked at its end).
-    await conn.execute(
-        "WITH outbox AS (INSERT INTO scope_fanout_outbox (id, workspace_id, scope_id, message_id, event_ref_type, "
+        search.doc_for(message_id=i, workspace_id=workspace_id, scope_id=scope_id, seq=None, workspace_global_seq=None,
+                       author_member_id=p.actor.member_id, created_at=None, content=p.intent.content, metadata=m)
+        for i, p, m in zip(ids, plans, metadata)], 24, replace=False, numbered_by="numbered")
+    # One statement: the seqs, then the messages, their outbox rows and their search docs (their
+    # keys on the message are checked at its end).  The workspace counter row stays locked until
+    # commit: allocation order == commit order within the workspace (see storage/schema.py); the
+    # scope's update reads the counter's new value, and message i of n takes tail - n + i.
+    tails = await conn.fetchrow(
+        "WITH g AS (INSERT INTO workspace_message_counters (workspace_id, latest_global_seq) VALUES ($1, $3) "
+        "ON CONFLICT (workspace_id) DO UPDATE SET latest_global_seq = workspace_message_counters.latest_global_seq + $3 "
+        "RETURNING latest_global_seq), "
+        "tail AS (UPDATE scopes SET latest_seq = latest_seq + $3, latest_global_seq = (SELECT latest_global_seq FROM g), "
+        "latest_message_at = now(), updated_at = now() WHERE id = $2 RETURNING latest_seq, latest_global_seq), "
+        "numbered AS (SELECT u.i, tail.latest_seq - $3 + u.n AS s, tail.latest_global_seq - $3 + u.n AS g "
+        "FROM tail, unnest($4::text[]) WITH ORDINALITY AS u(i, n)), "
+        "outbox AS (INSERT INTO scope_fanout_outbox (id, workspace_id, scope_id, message_id, event_ref_type, "
         "event_ref_id, fanout_type, delivery_policy, dedupe_key, payload, execution_generation, next_attempt_at) "
-        "SELECT oi, $1, $2, om, ort, ori, oft, odp, odk, op::jsonb, og, now() + make_interval(secs => $24) FROM unnest("
-        "$15::text[], $16::text[], $17::text[], $18::text[], $19::text[], $20::text[], $21::text[], $22::text[], "
-        f"$23::bigint[]) AS o(oi, om, ort, ori, oft, odp, odk, op, og)), docs AS ({docs_sql}) "
-        "INSERT INTO scope_messages (id, workspace_id, scope_id, seq, workspace_global_seq, author_member_id, "
-        "author_type, notify_principal_member_id, idempotency_subject_member_id, client_message_id, "
+        "SELECT oi, $1, $2, om, ort, ori, oft, odp, odk, op::jsonb, og, now() + make_interval(secs => $23) FROM unnest("
+        "$14::text[], $15::text[], $16::text[], $17::text[], $18::text[], $19::text[], $20::text[], $21::text[], "
+        f"$22::bigint[]) AS o(oi, om, ort, ori, oft, odp, odk, op, og)), docs AS ({docs_sql}), "
+        "inserted AS (INSERT INTO scope_messages (id, workspace_id, scope_id, seq, workspace_global_seq, "
+        "author_member_id, author_type, notify_principal_member_id, idempotency_subject_member_id, client_message_id, "
         "idempotency_payload_digest, message_type, content, metadata) "
-        "SELECT i, $1, $2, s, g, a, at, n, sub, c, d, mt, ct, md::jsonb FROM unnest("
-        "$3::text[], $4::bigint[], $5::bigint[], $6::text[], $7::text[], $8::text[], $9::text[], $10::text[], "
-        "$11::bytea[], $12::text[], $13::text[], $14::text[]) AS t(i, s, g, a, at, n, sub, c, d, mt, ct, md)",
-        workspace_id, scope_id, ids, seqs, global_seqs,
+        "SELECT t.i, $1, $2, numbered.s, numbered.g, a, at, n, sub, c, d, mt, ct, md::jsonb FROM unnest("
+        "$4::text[], $5::text[], $6::text[], $7::text[], $8::text[], $9::text[], $10::bytea[], $11::text[], "
+        "$12::text[], $13::text[]) AS t(i, a, at, n, sub, c, d, mt, ct, md) JOIN numbered ON numbered.i = t.i) "
+        "SELECT latest_seq, latest_global_seq, now() AS created_at FROM tail",  # now(): the messages' created_at
+        workspace_id, scope_id, count, ids,
         [p.actor.member_id for p in plans], [p.actor.member_kind for p in plans],
         [p.actor.notify_principal_member_id or p.actor.member_id for p in plans],
         [p.actor.idempotency_subject_member_id or p.actor.member_id for p in plans],
@@ -262,6 +256,11 @@ async def insert_messages(conn: asyncpg.Connection, workspace_id: str, scope_id:
         [json.dumps(m) for m in metadata],
         *_message_outbox_columns(ids, plans), INLINE_GRACE_SECONDS, *docs_args,
     )
+    if tails is None:
+        raise NotFound("scope")
+    scope_tail, global_tail, created_at = tails["latest_seq"], tails["latest_global_seq"], tails["created_at"]
+    seqs = range(scope_tail - count + 1, scope_tail + 1)
+    global_seqs = range(global_tail - count + 1, global_tail + 1)
     await _insert_sources(conn, workspace_id, scope_id, ids, plans)
     if attachments:
         await attachment_rows.claim(conn, scope_id, [(a["id"], message_id) for message_id, claimed

@@ -145,17 +145,38 @@ async def release(conn: asyncpg.Connection, key: str, node_id: str, epoch: int, 
                        key, node_id, epoch)
 
 
+def _fence_query(kind: LeasedKind) -> str:
+    """True while ($1, $2, $3) = (key, node, epoch) holds the lease; locks its row shared."""
+    return (f"SELECT true FROM {kind.table} l WHERE l.{kind.key} = $1 AND l.node_id = $2 AND l.epoch = $3 "
+            f"AND EXISTS (SELECT 1 FROM cluster_nodes n WHERE n.node_id = $2 AND n.stopped_at IS NULL "
+            f"AND n.lease_expires_at > clock_timestamp()) FOR SHARE OF l")
+
+
 async def pass_fence(conn: asyncpg.Connection, key: str, node_id: str, epoch: int, *,
                      kind: LeasedKind = SCOPES) -> None:
     """Inside a write transaction, before its first write: hold the lease row
     shared until commit and refuse a lost or expired lease (LeaseLost: the
     transaction must roll back, nothing of it commits)."""
-    ok = await conn.fetchval(
-        f"SELECT true FROM {kind.table} l WHERE l.{kind.key} = $1 AND l.node_id = $2 AND l.epoch = $3 "
-        f"AND EXISTS (SELECT 1 FROM cluster_nodes n WHERE n.node_id = $2 AND n.stopped_at IS NULL "
-        f"AND n.lease_expires_at > clock_timestamp()) FOR SHARE OF l", key, node_id, epoch)
-    if not ok:
+    if not await conn.fetchval(_fence_query(kind), key, node_id, epoch):
         raise LeaseLost(f"this node no longer owns {kind.name} {key} (epoch {epoch})")
+
+
+async def pass_fence_and_share_execution_state(conn: asyncpg.Connection, scope_id: str, node_id: str, epoch: int,
+                                               workspace_id: str) -> asyncpg.Record:
+    """`pass_fence` for a scope, then its workspace's execution state under a shared
+    lock held until commit (`tenancy.execution_state_for_share`), in one round trip: the
+    two gates a scope's write batch passes first.  The lease row is locked first (the
+    subquery runs before the outer row's lock), as in two statements."""
+    row = await conn.fetchrow(
+        f"WITH lease AS ({_fence_query(SCOPES)}) "
+        "SELECT (SELECT true FROM lease) AS lease_held, e.active_generation, e.write_fenced, e.state "
+        "FROM workspace_execution_states e WHERE e.workspace_id = $4 FOR SHARE OF e",
+        scope_id, node_id, epoch, workspace_id)
+    if row is None:
+        raise NotFound("workspace")
+    if not row["lease_held"]:
+        raise LeaseLost(f"this node no longer owns {SCOPES.name} {scope_id} (epoch {epoch})")
+    return row
 
 
 async def unowned_platform_accounts(conn: asyncpg.Connection, node_id: str) -> list[str]:

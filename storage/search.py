@@ -31,10 +31,11 @@ class SearchDoc:
     message_id: str
     workspace_id: str
     scope_id: str
-    seq: int
-    workspace_global_seq: int
+    # None: numbered by the statement that inserts the message (see docs_insert's numbered_by).
+    seq: int | None
+    workspace_global_seq: int | None
     author_member_id: str
-    created_at: datetime
+    created_at: datetime | None
     has_attachment: bool
     mention_member_ids: tuple[str, ...]
     text: str
@@ -42,8 +43,9 @@ class SearchDoc:
     runs: str
 
 
-def doc_for(*, message_id: str, workspace_id: str, scope_id: str, seq: int, workspace_global_seq: int,
-            author_member_id: str, created_at: datetime, content: str, metadata: dict[str, Any]) -> SearchDoc:
+def doc_for(*, message_id: str, workspace_id: str, scope_id: str, seq: int | None, workspace_global_seq: int | None,
+            author_member_id: str, created_at: datetime | None, content: str,
+            metadata: dict[str, Any]) -> SearchDoc:
     """A visible message's search document: its content and attachment labels, its live
     mentions (server-computed metadata, never the client's)."""
     attachments = metadata.get("attachments") or []
@@ -60,26 +62,41 @@ def doc_for_row(row: asyncpg.Record) -> SearchDoc:
                    metadata=json.loads(metadata) if isinstance(metadata, str) else metadata)
 
 
-def docs_insert(docs: list[SearchDoc], first: int, *, replace: bool) -> tuple[str, list[Any]]:
+def docs_insert(docs: list[SearchDoc], first: int, *, replace: bool,
+                numbered_by: str | None = None) -> tuple[str, list[Any]]:
     """The insert of `docs` (replace: overwrite an existing doc — an edit; else keep it — the backfill
     meeting a doc the live path wrote), with its parameters numbered from `$first`, and its arguments:
-    so a message's insert can carry its docs in the same statement."""
+    so a message's insert can carry its docs in the same statement.  `numbered_by` names a relation
+    (i, s, g) of that statement giving each message id its seq and global seq (the docs' own are
+    None), and the docs' created_at is then the transaction's time, as their messages'."""
     conflict = ("DO UPDATE SET has_attachment = EXCLUDED.has_attachment, mention_member_ids = "
                 "EXCLUDED.mention_member_ids, search_text = EXCLUDED.search_text, "
                 "search_vector = EXCLUDED.search_vector" if replace else "DO NOTHING")
     n = [f"${first + k}" for k in range(12)]
+    if numbered_by is None:
+        numbers, source = ("t.q", "t.g", "t.c"), (f"unnest({n[0]}::text[], {n[1]}::text[], {n[2]}::text[], {n[3]}::bigint[], "
+                                       f"{n[4]}::bigint[], {n[5]}::text[], {n[6]}::timestamptz[], ")
+        args: list[Any] = [[d.message_id for d in docs], [d.workspace_id for d in docs], [d.scope_id for d in docs],
+                           [d.seq for d in docs], [d.workspace_global_seq for d in docs],
+                           [d.author_member_id for d in docs], [d.created_at for d in docs]]
+        rest = n[7:]
+    else:
+        numbers, source = ("numbered.s", "numbered.g", "now()"), (f"unnest({n[0]}::text[], {n[1]}::text[], "
+                                                            f"{n[2]}::text[], {n[3]}::text[], ")
+        args = [[d.message_id for d in docs], [d.workspace_id for d in docs], [d.scope_id for d in docs],
+                [d.author_member_id for d in docs]]
+        rest = n[4:9]
+    columns = "i, w, s, a, h, mm, tt, tw, tr" if numbered_by else "i, w, s, q, g, a, c, h, mm, tt, tw, tr"
+    join = f" JOIN {numbered_by} numbered ON numbered.i = t.i" if numbered_by else ""
     sql = (f"INSERT INTO scope_message_search_docs ({_DOC_COLUMNS}) "
-           f"SELECT i, w, s, q, g, a, c, h, CASE WHEN mm = '' THEN '{{}}'::text[] ELSE string_to_array(mm, ' ') END, "
-           f"tt, to_tsvector('simple', tw) || tr::tsvector FROM unnest({n[0]}::text[], {n[1]}::text[], "
-           f"{n[2]}::text[], {n[3]}::bigint[], {n[4]}::bigint[], {n[5]}::text[], {n[6]}::timestamptz[], "
-           f"{n[7]}::boolean[], {n[8]}::text[], {n[9]}::text[], {n[10]}::text[], {n[11]}::text[]) "
-           f"AS t(i, w, s, q, g, a, c, h, mm, tt, tw, tr) ON CONFLICT (message_id) {conflict}")
-    return sql, [
-        [d.message_id for d in docs], [d.workspace_id for d in docs], [d.scope_id for d in docs],
-        [d.seq for d in docs], [d.workspace_global_seq for d in docs], [d.author_member_id for d in docs],
-        [d.created_at for d in docs], [d.has_attachment for d in docs],
-        [" ".join(d.mention_member_ids) for d in docs], [d.text for d in docs], [d.words for d in docs],
-        [d.runs for d in docs]]
+           f"SELECT t.i, t.w, t.s, {numbers[0]}, {numbers[1]}, t.a, {numbers[2]}, t.h, "
+           f"CASE WHEN t.mm = '' THEN '{{}}'::text[] ELSE string_to_array(t.mm, ' ') END, "
+           f"t.tt, to_tsvector('simple', t.tw) || t.tr::tsvector FROM {source}"
+           f"{rest[0]}::boolean[], {rest[1]}::text[], {rest[2]}::text[], {rest[3]}::text[], {rest[4]}::text[]) "
+           f"AS t({columns}){join} ON CONFLICT (message_id) {conflict}")
+    return sql, args + [
+        [d.has_attachment for d in docs], [" ".join(d.mention_member_ids) for d in docs], [d.text for d in docs],
+        [d.words for d in docs], [d.runs for d in docs]]
 
 
 async def write_docs(conn: asyncpg.Connection, docs: list[SearchDoc], *, replace: bool) -> int:
