@@ -47,6 +47,7 @@ class ServerMetrics:
         self.commands: defaultdict[tuple[str, str], int] = defaultdict(int)  # (op, outcome) -> count
         self.auth_failures: defaultdict[str, int] = defaultdict(int)  # error code -> count
         self.slow_consumer_closes = 0
+        self.push_gap_replays = 0
         self.slow_commands = 0
         self.command_seconds = Histogram(
             "scopewire_command_duration_seconds", "Time from a command's arrival to its reply being written",
@@ -190,6 +191,8 @@ class _ServerCollector(Collector):
         yield _bus_reads(cluster.remote)
         yield CounterMetricFamily("scopewire_slow_consumer_closes", "Connections closed with 4408 slow_consumer",
                                   value=metrics.slow_consumer_closes)
+        yield CounterMetricFamily("scopewire_push_gap_replays", "Live events that found a gap under their cursor "
+                                  "and waited for a fill from the database", value=metrics.push_gap_replays)
 
         outbox = server.outbox
         if outbox is not None:

@@ -114,6 +114,7 @@ class PushState:
             if verdict is None:
                 return None  # already sent
             if not verdict:
+                self.server.metrics.push_gap_replays += 1
                 self._replay(event)  # a gap: fill it from the log first
                 return None
         return event.frames.get(self._binary) or shared_frame(event, self._binary)

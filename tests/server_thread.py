@@ -18,8 +18,8 @@ from storage.bridge import Database, PoolSettings
 
 
 class ServerThread:
-    """`setup(db, url)` runs once the server listens; its result is `base`.  The server's
-    pool, WebSocket URL and nursery (for tasks in its loop) are `db`, `url` and `nursery`."""
+    """`setup(db, url)` runs once the server listens; its result is `base`.  The server, its
+    pool, WebSocket URL and nursery (for tasks in its loop) are `server`, `db`, `url` and `nursery`."""
 
     def __init__(self, dsn: str, config: ServerConfig,
                  setup: Callable[[Database, str], Awaitable[Any]]) -> None:
@@ -70,7 +70,7 @@ class ServerThread:
             server = Server(self.config, db, Authenticator(db, SessionSigner(Ed25519PrivateKey.generate()),
                                                           self.config.session_ttl_seconds))
             await nursery.start(server.run)
-            self.db, self.url, self.nursery = db, f"ws://127.0.0.1:{server.port}", nursery
+            self.server, self.db, self.url, self.nursery = server, db, f"ws://127.0.0.1:{server.port}", nursery
             self.base = await self.setup(db, self.url)
             self._token, self._stop = trio.lowlevel.current_trio_token(), trio.Event()
             self._ready.set()
