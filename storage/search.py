@@ -72,31 +72,29 @@ def docs_insert(docs: list[SearchDoc], first: int, *, replace: bool,
     conflict = ("DO UPDATE SET has_attachment = EXCLUDED.has_attachment, mention_member_ids = "
                 "EXCLUDED.mention_member_ids, search_text = EXCLUDED.search_text, "
                 "search_vector = EXCLUDED.search_vector" if replace else "DO NOTHING")
-    n = [f"${first + k}" for k in range(12)]
-    if numbered_by is None:
-        numbers, source = ("t.q", "t.g", "t.c"), (f"unnest({n[0]}::text[], {n[1]}::text[], {n[2]}::text[], {n[3]}::bigint[], "
-                                       f"{n[4]}::bigint[], {n[5]}::text[], {n[6]}::timestamptz[], ")
-        args: list[Any] = [[d.message_id for d in docs], [d.workspace_id for d in docs], [d.scope_id for d in docs],
-                           [d.seq for d in docs], [d.workspace_global_seq for d in docs],
-                           [d.author_member_id for d in docs], [d.created_at for d in docs]]
-        rest = n[7:]
-    else:
-        numbers, source = ("numbered.s", "numbered.g", "now()"), (f"unnest({n[0]}::text[], {n[1]}::text[], "
-                                                            f"{n[2]}::text[], {n[3]}::text[], ")
-        args = [[d.message_id for d in docs], [d.workspace_id for d in docs], [d.scope_id for d in docs],
-                [d.author_member_id for d in docs]]
-        rest = n[4:9]
-    columns = "i, w, s, a, h, mm, tt, tw, tr" if numbered_by else "i, w, s, q, g, a, c, h, mm, tt, tw, tr"
-    join = f" JOIN {numbered_by} numbered ON numbered.i = t.i" if numbered_by else ""
+    numbered = numbered_by is not None
+    # (name in the unnest, element type, values); None: the statement computes it.
+    columns = [
+        ("i", "text", [d.message_id for d in docs]), ("w", "text", [d.workspace_id for d in docs]),
+        ("s", "text", [d.scope_id for d in docs]),
+        ("q", "bigint", None if numbered else [d.seq for d in docs]),
+        ("g", "bigint", None if numbered else [d.workspace_global_seq for d in docs]),
+        ("a", "text", [d.author_member_id for d in docs]),
+        ("c", "timestamptz", None if numbered else [d.created_at for d in docs]),
+        ("h", "boolean", [d.has_attachment for d in docs]),
+        ("mm", "text", [" ".join(d.mention_member_ids) for d in docs]), ("tt", "text", [d.text for d in docs]),
+        ("tw", "text", [d.words for d in docs]), ("tr", "text", [d.runs for d in docs])]
+    given = [column for column in columns if column[2] is not None]
+    seq, global_seq, created_at = ("numbered.s", "numbered.g", "now()") if numbered else ("t.q", "t.g", "t.c")
     sql = (f"INSERT INTO scope_message_search_docs ({_DOC_COLUMNS}) "
-           f"SELECT t.i, t.w, t.s, {numbers[0]}, {numbers[1]}, t.a, {numbers[2]}, t.h, "
+           f"SELECT t.i, t.w, t.s, {seq}, {global_seq}, t.a, {created_at}, t.h, "
            f"CASE WHEN t.mm = '' THEN '{{}}'::text[] ELSE string_to_array(t.mm, ' ') END, "
-           f"t.tt, to_tsvector('simple', t.tw) || t.tr::tsvector FROM {source}"
-           f"{rest[0]}::boolean[], {rest[1]}::text[], {rest[2]}::text[], {rest[3]}::text[], {rest[4]}::text[]) "
-           f"AS t({columns}){join} ON CONFLICT (message_id) {conflict}")
-    return sql, args + [
-        [d.has_attachment for d in docs], [" ".join(d.mention_member_ids) for d in docs], [d.text for d in docs],
-        [d.words for d in docs], [d.runs for d in docs]]
+           f"t.tt, to_tsvector('simple', t.tw) || t.tr::tsvector "
+           f"FROM unnest({', '.join(f'${first + k}::{kind}[]' for k, (_, kind, _) in enumerate(given))}) "
+           f"AS t({', '.join(name for name, _, _ in given)})"
+           f"{f' JOIN {numbered_by} numbered ON numbered.i = t.i' if numbered else ''} "
+           f"ON CONFLICT (message_id) {conflict}")
+    return sql, [values for _, _, values in given]
 
 
 async def write_docs(conn: asyncpg.Connection, docs: list[SearchDoc], *, replace: bool) -> int:
