@@ -445,3 +445,21 @@ async def test_a_feed_step_skipped_before_the_one_under_it_is_no_gap(app: App, w
         received = [e["data"]["id"] for e in await _drain(scout, 3)]
         assert received == [first["id"], quote["id"], own["id"]]
         assert (await scout.call("message.get", message_id=unseen["id"], **ws))["message"]["content"] == "bob unseen"
+
+
+async def test_a_send_is_two_statements_between_begin_and_commit_three_from_a_cached_context(app: App, world, monkeypatch):
+    """The lease and execution fences are one statement; seq allocation, the message, its
+    outbox row and its search document another.  A send served from the connection's
+    cached context adds the re-check of its credential between them."""
+    alpha, bob, carol, agent, channel, key, ws = world
+    async with await signed_in(app, bob) as warm, await signed_in(app, bob) as fresh:
+        await warm.call("message.send", scope_id=channel["id"], content="warm the actor and the cache", **ws)
+        for conn, proof_checked in ((fresh, False), (warm, True)):
+            captured, capturing = _actor_statements(app, monkeypatch)
+            with capturing:
+                await conn.call("message.send", scope_id=channel["id"], content="ordinary", **ws)
+            assert len(captured) == 2 + proof_checked, [s[:90] for s in captured]
+            assert "FROM workspace_execution_states" in captured[0] and "scope_leases" in captured[0]
+            assert all(part in captured[-1] for part in (
+                "workspace_message_counters", "INSERT INTO scope_messages", "INSERT INTO scope_fanout_outbox",
+                "INSERT INTO scope_message_search_docs"))
