@@ -502,7 +502,8 @@ async def test_a_window_opens_after_a_global_seq_allocated_but_not_yet_committed
                                        "WHERE wait_event_type = 'Lock' AND wait_event = 'transactionid'"):
                     waited.append(True)
                     return
-                await conn.execute("SELECT pg_sleep(0.05)")
+                # Marked too, so the test's wait_for_query sees this transaction whenever it looks.
+                await conn.execute("SELECT /* in-flight */ pg_sleep(0.05)")
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(app.db.transaction, in_flight_send)
