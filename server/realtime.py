@@ -168,12 +168,14 @@ class PushState:
         # A message this member may not read (elsewhere in the workspace, or one a
         # private agent may not read in a followed scope) is the next step of the
         # cursor, not a gap: nothing to fill from the log.
-        if self._backlog is not None or event.event != MESSAGE_CREATED or event.seq is None:
+        if event.event != MESSAGE_CREATED or event.seq is None:
             return
         cursor = self.scope_cursors.get(event.scope_id)
         if cursor is None:
+            # Also while a replay runs: its fill reads only what this member may read, so
+            # a step it does not deliver is one the replay would otherwise never pass.
             self._pass_global(event.global_seq)
-        elif event.seq == cursor + 1:
+        elif self._backlog is None and event.seq == cursor + 1:
             self.scope_cursors[event.scope_id] = event.seq
             self._pass_global(event.global_seq)
 
