@@ -380,13 +380,11 @@ class Server:
     async def _serve_connection(self, connection: Connection, auth_deadline: float) -> None:
         ws = connection.ws
         while True:
-            raw = None
             # Each connection waits on its own deadline: the idle timeout holds to
             # the moment whatever the heartbeat interval (pongs do not count).
             idle_deadline = connection.last_inbound + self.config.idle_timeout_seconds
-            with trio.move_on_at(min(idle_deadline, auth_deadline) if connection.principal is None
-                                 else idle_deadline):
-                raw = await ws.receive()
+            raw = await ws.receive(min(idle_deadline, auth_deadline) if connection.principal is None
+                                   else idle_deadline)
             if raw is None:
                 if connection.principal is None and trio.current_time() >= auth_deadline:
                     await connection.send(error_frame(ProtocolError(ErrorCode.UNAUTHENTICATED,

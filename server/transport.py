@@ -11,8 +11,9 @@ an outgoing buffer:
   kernel (one `send` per batch of frames);
   whatever the kernel does not take waits in the buffer, drained in order by a
   flush task that exists only while there is a backlog.
-* the connection's own task calls `receive()`: it parses client frames,
-  answers pings and runs the closing handshake.
+* the connection's own task calls `receive()`: it parses client frames
+  (a read that is exactly one whole masked message without wsproto, see
+  `_whole_message`), answers pings and runs the closing handshake.
 * `close_soon()` queues a close frame and gives the peer `close_grace` seconds
   to answer before the socket is dropped; `abort()` drops it at once.
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import math
 import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -59,7 +61,7 @@ class WebSocket:
 
     __slots__ = ("_sock", "_parser", "subprotocol", "binary", "_spawn", "_max_message_bytes", "_close_grace",
                  "_out", "_flushing", "_drained", "_parts", "_parts_size", "_closing", "_closed", "_closed_event",
-                 "_close_deadline", "_read_scope", "close_code", "awaiting_pong")
+                 "_close_deadline", "_read_scope", "_read_deadline", "close_code", "awaiting_pong")
 
     def __init__(self, sock: socket.socket, parser: FrameParser, subprotocol: str | None, *,
                  spawn: Callable[..., Any], max_message_bytes: int, close_grace: float) -> None:
@@ -80,6 +82,7 @@ class WebSocket:
         self._closed_event: trio.Event | None = None
         self._close_deadline = float("inf")
         self._read_scope: trio.CancelScope | None = None
+        self._read_deadline = math.inf
         self.close_code: int | None = None
         self.awaiting_pong = False
 
@@ -175,7 +178,7 @@ class WebSocket:
         self.close_code = code
         self._close_deadline = trio.current_time() + self._close_grace
         if self._read_scope is not None:
-            self._read_scope.deadline = self._close_deadline
+            self._read_scope.deadline = min(self._read_deadline, self._close_deadline)
 
     async def close(self, code: int, reason: str = "") -> None:
         """Close and wait (at most the grace period) until the socket is closed."""
@@ -222,22 +225,28 @@ class WebSocket:
 
     # --- reading ---------------------------------------------------------------------------
 
-    async def receive(self) -> str | bytes:
-        """The next whole message from the client.  Pings are answered here and
-        the closing handshake completed; then ConnectionClosed is raised."""
+    async def receive(self, deadline: float = math.inf) -> str | bytes | None:
+        """The next whole message from the client, or None when `deadline` passes
+        first.  Pings are answered here and the closing handshake completed; then
+        ConnectionClosed is raised."""
         while True:
             message = await self._next_message()
             if message is not None:
                 return message
             if self._closed:
                 raise ConnectionClosed(self.close_code or CLOSE_ABNORMAL)
-            with trio.CancelScope(deadline=self._close_deadline) as scope:
+            # One cancel scope for both deadlines: the caller's, and the closing
+            # handshake's, which close_soon() may set while this waits.
+            self._read_deadline = deadline
+            with trio.CancelScope(deadline=min(deadline, self._close_deadline)) as scope:
                 self._read_scope = scope
                 try:
                     await trio.lowlevel.wait_readable(self._sock)
                 except trio.ClosedResourceError:
                     pass
             self._read_scope = None
+            if scope.cancelled_caught and not self._closed and trio.current_time() < self._close_deadline:
+                return None
             if scope.cancelled_caught or self._closed:
                 self.abort()  # the peer did not finish the closing handshake in time
                 raise ConnectionClosed(self.close_code or CLOSE_ABNORMAL)
@@ -250,7 +259,48 @@ class WebSocket:
             if self._parser.state is ConnectionState.CLOSED:  # defensive: the handshake is over
                 self.abort()
                 raise ConnectionClosed(self.close_code or CLOSE_ABNORMAL)
+            if data and not self._closing:
+                message = self._whole_message(data)
+                if message is not None:
+                    return message
             self._parser.receive_data(data or None)
+
+    def _whole_message(self, data: bytes) -> str | bytes | None:
+        """`data` as a message when it is exactly one whole masked text or binary
+        frame and the parser holds nothing (no partial frame, no fragmented
+        message, no event): what nearly every command is.  Parsed here because
+        it is ~7x cheaper than wsproto's generic path (3 µs against 21 µs for a
+        200-byte message.send, on the event-loop thread every command runs on).
+        None: let wsproto parse it (anything else, including every protocol error)."""
+        first, second = data[0], data[1] if len(data) > 1 else 0
+        if first not in (0x81, 0x82) or not second & 0x80:  # FIN, no RSV bits, text/binary; masked
+            return None
+        length, start = second & 0x7F, 6
+        if length == 126:
+            if len(data) < 8:
+                return None
+            length, start = int.from_bytes(data[2:4], "big"), 8
+            if length < 126:
+                return None  # not the minimal length encoding: wsproto refuses it
+        elif length == 127:
+            return None
+        if len(data) != start + length or length > self._max_message_bytes:
+            return None
+        proto = self._parser._proto  # wsproto 1.3 (pinned): idle means no buffered bytes, no open message
+        decoder = proto._frame_decoder
+        if (self._parser._events or decoder.header is not None or len(decoder.buffer)
+                or proto._message_decoder.opcode is not None or self._parts):
+            return None
+        mask = data[start - 4:start]
+        payload = (int.from_bytes(data[start:], "little")
+                   ^ int.from_bytes(mask * (length // 4 + 1), "little") & ((1 << (8 * length)) - 1)
+                   ).to_bytes(length, "little")
+        if first == 0x82:
+            return payload
+        try:
+            return payload.decode("utf-8")
+        except UnicodeDecodeError:
+            return None  # wsproto closes with 1007
 
     async def _next_message(self) -> str | bytes | None:
         for event in self._parser.events():

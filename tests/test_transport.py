@@ -284,3 +284,83 @@ async def _garbage(dsn: str, garbage: list[bytes], masked: bool) -> None:
         assert (await fresh.next_message())["id"] == "alive"
         await fresh.stream.aclose()
         nursery.cancel_scope.cancel()
+
+
+
+async def test_whole_frame_commands_bypass_wsproto_and_fragments_do_not(app: App):
+    client, _ = await RawClient.open(app)
+    (connection,) = app.server.connections.all
+    parser = connection.ws._parser
+    fed: list[bytes] = []
+    feed = parser.receive_data
+    parser.receive_data = lambda data: (fed.append(data), feed(data))[1]
+    for number in range(3):
+        await client.send(Message(data=json.dumps({"op": "ping", "id": f"whole-{number}"})))
+        assert (await client.next_message())["id"] == f"whole-{number}"
+    assert fed == []
+    await client.send(Message(data='{"op": "ping", ', message_finished=False))
+    await client.send(Message(data='"id": "in two"}'))
+    assert (await client.next_message())["id"] == "in two"
+    assert fed  # the fragments went through wsproto
+    await client.stream.aclose()
+
+# --- the whole-frame fast path agrees with wsproto -----------------------------------------------
+
+def _server_side(max_message_bytes: int = 1 << 20):
+    from server.transport import FrameParser as ServerParser
+    from server.transport import WebSocket
+    parser = ServerParser(ConnectionType.SERVER)
+    return WebSocket(None, parser, None, spawn=None, max_message_bytes=max_message_bytes, close_grace=1.0), parser
+
+
+def _wsproto_messages(parser, data: bytes) -> list:
+    parser.receive_data(data)
+    return [e for e in parser.events()]
+
+
+@settings(max_examples=300, deadline=None)
+@given(payload=st.one_of(st.text(max_size=300), st.binary(max_size=300),
+                         st.integers(min_value=120, max_value=70_000).map(lambda n: "é" * (n // 2) + "x" * (n % 2))),
+       mask=st.binary(min_size=4, max_size=4), flip=st.integers(min_value=0, max_value=10_000),
+       max_message_bytes=st.sampled_from([64, 4096, 1 << 20]))
+def test_a_whole_frame_reads_as_wsproto_reads_it(payload, mask, flip, max_message_bytes):
+    """Any single masked frame (text, binary, every length encoding, a max-size limit, one byte
+    flipped anywhere or not): the fast path returns exactly wsproto's message, or declines."""
+    body = payload.encode() if isinstance(payload, str) else payload
+    opcode = 0x81 if isinstance(payload, str) else 0x82
+    if len(body) < 126:
+        head = struct.pack("!BB", opcode, 0x80 | len(body))
+    elif len(body) < 1 << 16:
+        head = struct.pack("!BBH", opcode, 0x80 | 126, len(body))
+    else:
+        head = struct.pack("!BBQ", opcode, 0x80 | 127, len(body))
+    frame = bytearray(head + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(body)))
+    if flip < len(frame) and flip % 3:  # two in three examples with a flip in range: a corrupted frame
+        frame[flip] ^= 0x5A
+    ws, parser = _server_side(max_message_bytes)
+    fast = ws._whole_message(bytes(frame))
+    if fast is None:
+        return  # declined: wsproto parses it (the server path then feeds the parser)
+    events = _wsproto_messages(FrameWriter(ConnectionType.SERVER), bytes(frame))
+    assert len(events) == 1 and isinstance(events[0], Message) and events[0].message_finished
+    assert events[0].data == fast and len(body) <= max_message_bytes
+    assert parser.state.name == "OPEN"
+
+
+def test_the_fast_path_declines_while_the_parser_holds_anything():
+    """A whole-looking frame must not overtake what wsproto holds: a fragmented message in
+    progress (then it is a protocol error wsproto reports), or a partial frame; nor is a
+    non-minimal length encoding taken (wsproto fails the connection for it)."""
+    whole = FrameWriter(ConnectionType.CLIENT).send(Message(data="whole"))
+    first = FrameWriter(ConnectionType.CLIENT).send(Message(data="first part", message_finished=False))
+    ws, parser = _server_side()
+    assert ws._whole_message(whole) == "whole"
+    parser.receive_data(first)
+    assert [type(e).__name__ for e in parser.events()] == ["TextMessage"]
+    assert ws._whole_message(whole) is None  # a message is open
+    ws, _ = _server_side()  # "whole" with a 16-bit length field where 7 bits suffice: a violation
+    assert ws._whole_message(bytes([whole[0], 0x80 | 126, 0, len(whole) - 6]) + whole[2:]) is None
+    ws, parser = _server_side()
+    parser.receive_data(whole[:3])
+    list(parser.events())
+    assert ws._whole_message(whole) is None  # a partial frame is buffered
