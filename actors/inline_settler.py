@@ -1,8 +1,9 @@
 """Marks the inline-delivered `message.created` outbox rows of many scopes in one
-statement.  A busy scope actor marks its own in its next batch's transaction; one
-whose mailbox ran empty hands them here instead of committing a transaction of its
-own, so a message to a quiet scope (a platform broadcast's thousand workspaces, a
-workspace of many quiet channels) does not cost a second transaction.
+statement.  Every scope actor of the node hands its marks here once it published:
+a message to a quiet scope (a platform broadcast's thousand workspaces, a workspace
+of many quiet channels) does not cost a second transaction, and a busy scope's
+batches carry no UPDATE of the rows its previous batch wrote (which also kept
+its two fences from sharing one statement).
 
 The marks wait up to LINGER_SECONDS to be written together.  A mark that never
 lands (the database is away, the process dies first) only makes the outbox worker

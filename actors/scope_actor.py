@@ -6,7 +6,8 @@ consecutive seqs and inserted with one statement; other commands run in
 savepoints of the same transaction, so one failing command does not fail its
 neighbours.  After commit it replies to every caller; the committed events are
 published while the next batch's transaction runs (or at once when the mailbox
-is empty), and the inline outbox rows are marked in the transaction after that.
+is empty), and the inline outbox rows are marked by the node's settler
+(actors/inline_settler.py) in a transaction of its own.
 
 Across processes: an actor runs only on the node holding the scope's lease
 (storage/leases.py), and every write transaction passes the lease's fence
@@ -297,9 +298,9 @@ class ScopeActor:
         self._executions: set[str] = set()
         # Ensured in the running batch: known to exist only once it commits.
         self._executions_in_batch: set[str] = set()
-        # Messages delivered inline whose outbox rows are not marked yet: the mark
-        # rides in the next batch's transaction, or goes to `settle_later` (else alone)
-        # when the mailbox is empty.
+        # Without a settler: messages delivered inline whose outbox rows are not marked
+        # yet; the mark rides in the next batch's transaction, or commits alone when the
+        # mailbox is empty.
         self._unsettled: list[str] = []
 
     @property
@@ -568,8 +569,14 @@ class ScopeActor:
         publication.published = True
         # One publication per batch: each connection gets the batch in one write.
         self.hub.publish_many(publication.items)
-        # Marked delivered only once really handed over (see _settle).
-        self._unsettled.extend(publication.message_ids)
+        # Marked delivered only once really handed over: by the node's settler when there
+        # is one — its own transaction, off this actor's commit path (a mark riding in the
+        # next batch cost a hot scope's batch an UPDATE and split its fence statement in
+        # two) — else here (_settle).
+        if self.settle_later is None:
+            self._unsettled.extend(publication.message_ids)
+        elif publication.message_ids:
+            self.settle_later(self.scope_id, publication.message_ids)
         if publication.deliveries and self.offer_deliveries is not None:
             self.offer_deliveries(publication.deliveries)
         if publication.wake_outbox and self.outbox_wake is not None:
@@ -581,10 +588,6 @@ class ScopeActor:
 
     async def _settle(self) -> None:
         settling = list(self._unsettled)
-        if self.settle_later is not None:
-            del self._unsettled[:]
-            self.settle_later(self.scope_id, settling)
-            return
         try:
             await self.db.transaction(self._apply_settle, settling)
         except DatabaseUnavailable:

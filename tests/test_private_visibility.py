@@ -447,6 +447,37 @@ async def test_a_feed_step_skipped_before_the_one_under_it_is_no_gap(app: App, w
         assert (await scout.call("message.get", message_id=unseen["id"], **ws))["message"]["content"] == "bob unseen"
 
 
+
+async def test_a_busy_scopes_batches_carry_no_settle_marks_and_the_settler_marks_every_row(app: App, world,
+                                                                                           monkeypatch):
+    """While commands keep coming, each batch is still its one fence statement and its one
+    insert statement: the rows a batch's publication delivered inline are marked by the
+    node's settler in a transaction of its own, not by a later batch of the scope."""
+    alpha, bob, carol, agent, channel, key, ws = world
+    senders, sends_each = 8, 6
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [await stack.enter_async_context(await signed_in(app, bob)) for _ in range(senders)]
+        await clients[0].call("message.send", scope_id=channel["id"], content="warm", **ws)
+        captured, capturing = _actor_statements(app, monkeypatch)
+
+        async def send_several(client, number: int) -> None:
+            for n in range(sends_each):
+                await client.call("message.send", scope_id=channel["id"], content=f"busy {number}.{n}", **ws)
+
+        with capturing:
+            async with trio.open_nursery() as nursery:
+                for number, client in enumerate(clients):
+                    nursery.start_soon(send_several, client, number)
+    inserts = [i for i, q in enumerate(captured) if "INSERT INTO scope_messages" in q]
+    assert len(inserts) >= 3, "the burst took at least three batches"
+    assert not [q for q in captured if "UPDATE scope_fanout_outbox" in q]
+    fences = [q for q in captured if "FROM workspace_execution_states" in q]
+    assert len(fences) == len(inserts) and all("scope_leases" in q for q in fences), "one fence statement each"
+    await app.server.settler.flush()
+    assert await app.db.run(lambda c: c.fetchval(
+        "SELECT count(*) FROM scope_fanout_outbox WHERE scope_id = $1 AND fanout_type = 'message.created' "
+        "AND status <> 'delivered'", channel["id"])) == 0
+
 async def test_a_send_is_two_statements_between_begin_and_commit_three_from_a_cached_context(app: App, world, monkeypatch):
     """The lease and execution fences are one statement; seq allocation, the message, its
     outbox row and its search document another.  A send served from the connection's
