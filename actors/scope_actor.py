@@ -598,11 +598,19 @@ class ScopeActor:
     async def _apply_batch(self, conn: asyncpg.Connection, batch: list[Command], settling: list[str]) -> list[Any]:
         assert self.state is not None
         fence = None
+        # Sends served from cached contexts: their credentials' rows are re-read after the
+        # fences (a revocation committed before that refuses the send), in the same
+        # statement when the fences share one and the proofs are of one kind.
+        proofs = {c.proof for c in batch if isinstance(c, Send) and c.proof is not None}
+        stale: set[CredentialProof] | None = None
         if self.lease is not None and not settling and all(
                 type(command).prelock is Command.prelock for command in batch):
             # Nothing locks between the two gates: one round trip for both.
-            fence = await leases.pass_fence_and_share_execution_state(conn, self.scope_id, *self.lease,
-                                                                      self.state.workspace_id)
+            proof_rows = tenancy.proof_rows_query(proofs, 5) if proofs else None
+            fence, rows = await leases.pass_fence_and_share_execution_state(
+                conn, self.scope_id, *self.lease, self.state.workspace_id, proof_rows)
+            if proof_rows is not None:
+                stale = tenancy.stale_among(proofs, rows)
         else:
             await self._pass_lease_fence(conn)
         if self.state.type == "task":
@@ -623,13 +631,11 @@ class ScopeActor:
             if (fence["write_fenced"] or fence["state"] != "active"
                     or command.actor.execution_generation != fence["active_generation"]):
                 outcomes[index] = WriteFenced("stale execution generation or fenced workspace")
-        proofs = {c.proof for i, c in enumerate(batch)
-                  if outcomes[i] is None and isinstance(c, Send) and c.proof is not None}
-        if proofs:
-            # After the fence's lock: a revocation that committed before this statement refuses the send.
+        if stale is None and proofs:
             stale = await tenancy.stale_proofs(conn, proofs)
+        if stale:
             for index, command in enumerate(batch):
-                if isinstance(command, Send) and command.proof in stale:
+                if outcomes[index] is None and isinstance(command, Send) and command.proof in stale:
                     outcomes[index] = StaleCredential()
         sends = [(i, c) for i, c in enumerate(batch) if isinstance(c, Send) and outcomes[i] is None]
         if sends:

@@ -1,6 +1,7 @@
 """A request served from a connection's cached context carries the proof that
 context was built from; the write's own transaction compares it with the rows
-as they are now (storage/tenancy.stale_proofs), so a revocation that committed
+as they are now (storage/tenancy: proof_rows_query, read by the batch's fence
+statement, or stale_proofs), so a revocation that committed
 before the write refuses it even when this server has not yet heard of it."""
 
 from __future__ import annotations

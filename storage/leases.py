@@ -14,6 +14,7 @@ nodes' own clocks never matter.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import asyncpg
 
@@ -161,22 +162,31 @@ async def pass_fence(conn: asyncpg.Connection, key: str, node_id: str, epoch: in
         raise LeaseLost(f"this node no longer owns {kind.name} {key} (epoch {epoch})")
 
 
-async def pass_fence_and_share_execution_state(conn: asyncpg.Connection, scope_id: str, node_id: str, epoch: int,
-                                               workspace_id: str) -> asyncpg.Record:
+async def pass_fence_and_share_execution_state(
+        conn: asyncpg.Connection, scope_id: str, node_id: str, epoch: int, workspace_id: str,
+        extra: tuple[str, list] | None = None) -> tuple[dict[str, Any], list[asyncpg.Record]]:
     """`pass_fence` for a scope, then its workspace's execution state under a shared
     lock held until commit (`tenancy.execution_state_for_share`), in one round trip: the
     two gates a scope's write batch passes first.  The lease row is locked first (the
-    subquery runs before the outer row's lock), as in two statements."""
-    row = await conn.fetchrow(
-        f"WITH lease AS ({_fence_query(SCOPES)}) "
-        "SELECT (SELECT true FROM lease) AS lease_held, e.active_generation, e.write_fenced, e.state "
-        "FROM workspace_execution_states e WHERE e.workspace_id = $4 FOR SHARE OF e",
-        scope_id, node_id, epoch, workspace_id)
-    if row is None:
+    subquery runs before the outer row's lock), as in two statements.  `extra` — a
+    SELECT whose parameters start at $5, whose first column is never NULL, and its
+    arguments — is read by the same statement (a batch's credential proofs): its rows
+    come back with the gate."""
+    rows = await conn.fetch(
+        f"WITH lease AS ({_fence_query(SCOPES)}){f', extra AS ({extra[0]})' if extra else ''} "
+        "SELECT (SELECT true FROM lease) AS lease_held, e.active_generation AS gate_generation, "
+        f"e.write_fenced AS gate_write_fenced, e.state AS gate_state{', extra.*' if extra else ''} "
+        f"FROM workspace_execution_states e {'LEFT JOIN extra ON true ' if extra else ''}"
+        "WHERE e.workspace_id = $4 FOR SHARE OF e",
+        scope_id, node_id, epoch, workspace_id, *(extra[1] if extra else ()))
+    if not rows:
         raise NotFound("workspace")
-    if not row["lease_held"]:
+    gate = rows[0]
+    if not gate["lease_held"]:
         raise LeaseLost(f"this node no longer owns {SCOPES.name} {scope_id} (epoch {epoch})")
-    return row
+    return ({"active_generation": gate["gate_generation"], "write_fenced": gate["gate_write_fenced"],
+             "state": gate["gate_state"]},
+            [row for row in rows if extra and row[4] is not None])
 
 
 async def unowned_platform_accounts(conn: asyncpg.Connection, node_id: str) -> list[str]:

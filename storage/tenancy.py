@@ -418,25 +418,44 @@ def session_proof(session: asyncpg.Record, context: asyncpg.Record) -> Credentia
                            _values(session, _SESSION_PROOF) + _values(context, _CONTEXT_PROOF))
 
 
+def _session_proof_rows(first: int) -> str:
+    """The membership contexts of (account $first[i], workspace ${first + 1}[i]) with the accounts' state."""
+    return (f"SELECT a.id, a.status, a.token_version, {_CONTEXT_COLUMNS} "
+            f"FROM unnest(${first}::text[], ${first + 1}::text[]) AS wanted(account_id, workspace_id) "
+            "JOIN accounts a ON a.id = wanted.account_id "
+            "JOIN workspace_memberships m ON m.workspace_id = wanted.workspace_id AND m.account_id = a.id "
+            f"{_MEMBERSHIP_CONTEXT_JOINS}")
+
+
+def proof_rows_query(proofs: set[CredentialProof], first: int) -> tuple[str, list] | None:
+    """The SELECT of the current rows of `proofs` when all are of one kind, numbering its
+    parameters from `first`, and its arguments: for a statement that reads them along with
+    something else (a write batch's gate).  None for proofs of both kinds (`stale_proofs`)."""
+    kinds = {p.kind for p in proofs}
+    if kinds == {"api_key"}:
+        return _API_KEY_CONTEXT + f"WHERE k.id = ANY(${first}::text[])", [sorted({p.credential_id for p in proofs})]
+    if kinds == {"account"}:
+        pairs = sorted({(p.credential_id, p.workspace_id) for p in proofs})
+        return _session_proof_rows(first), [[a for a, _ in pairs], [w for _, w in pairs]]
+    return None
+
+
+def stale_among(proofs: set[CredentialProof], rows: list[asyncpg.Record]) -> set[CredentialProof]:
+    """The proofs (of one kind) that `proof_rows_query`'s rows no longer match."""
+    kind = next(iter(proofs)).kind if proofs else None
+    return proofs - {key_proof(row) if kind == "api_key" else session_proof(row, row) for row in rows}
+
+
 async def stale_proofs(conn: asyncpg.Connection, proofs: set[CredentialProof]) -> set[CredentialProof]:
     """The proofs whose rows changed (or are gone) — at most two statements for
     any number of proofs, so a write batch re-checks all of its cached contexts at once."""
-    current: set[CredentialProof] = set()
-    key_ids = sorted({p.credential_id for p in proofs if p.kind == "api_key"})
-    if key_ids:
-        current.update(key_proof(row) for row in await conn.fetch(
-            _API_KEY_CONTEXT + "WHERE k.id = ANY($1::text[])", key_ids))
-    pairs = sorted({(p.credential_id, p.workspace_id) for p in proofs if p.kind == "account"})
-    if pairs:
-        rows = await conn.fetch(
-            f"SELECT a.id, a.status, a.token_version, {_CONTEXT_COLUMNS} "
-            "FROM unnest($1::text[], $2::text[]) AS wanted(account_id, workspace_id) "
-            "JOIN accounts a ON a.id = wanted.account_id "
-            "JOIN workspace_memberships m ON m.workspace_id = wanted.workspace_id AND m.account_id = a.id "
-            f"{_MEMBERSHIP_CONTEXT_JOINS}",
-            [a for a, _ in pairs], [w for _, w in pairs])
-        current.update(session_proof(row, row) for row in rows)
-    return proofs - current
+    stale: set[CredentialProof] = set()
+    for kind in ("api_key", "account"):
+        of_kind = {p for p in proofs if p.kind == kind}
+        query = proof_rows_query(of_kind, 1)
+        if query is not None:
+            stale |= stale_among(of_kind, await conn.fetch(query[0], *query[1]))
+    return stale
 
 
 async def api_key_state(conn: asyncpg.Connection, api_key_id: str) -> asyncpg.Record | None:

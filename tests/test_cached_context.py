@@ -14,6 +14,8 @@ import pytest
 import trio
 
 from client import connect
+from domain.credentials import CredentialProof
+from storage import tenancy
 from tests.conftest import App
 from tests.test_messaging import open_channel, team  # noqa: F401 - a fixture
 from tests.test_tenancy import expect_error, signed_in
@@ -159,3 +161,34 @@ async def test_any_credential_notification_drops_every_cached_context(app: App, 
             assert not served()
             await sender.call("message.send", scope_id=channel["id"], content="afresh, then cached again", **ws)
             assert served()
+
+
+async def test_proofs_of_both_kinds_are_rechecked_each_by_its_own_rows(app: App, team):
+    """A batch's proofs of one kind are re-read by its fences' statement; a batch holding both
+    kinds (agents' keys and people's sessions) takes two statements of their own.  Either way
+    exactly the proofs whose rows changed are stale."""
+    alpha, _, bob, _ = team
+    async with await signed_in(app, alpha.owner) as owner:
+        key = await owner.call("apikey.create", name="bob", member_id=bob.member_id, workspace_id=alpha.workspace_id)
+
+    async def proofs() -> tuple[CredentialProof, CredentialProof]:
+        key_row = await app.db.run(tenancy.api_key_context_by_id, key["id"])
+        session = await app.db.run(tenancy.account_session_state, bob.account_id)
+        context = await app.db.run(tenancy.account_workspace_context, bob.account_id, alpha.workspace_id)
+        return tenancy.key_proof(key_row), tenancy.session_proof(session, context)
+
+    key_proof, session_proof = await proofs()
+    both = {key_proof, session_proof}
+    assert tenancy.proof_rows_query(both, 5) is None
+    assert await app.db.run(tenancy.stale_proofs, both) == set()
+    for one in (key_proof, session_proof):
+        query, args = tenancy.proof_rows_query({one}, 1)
+        assert tenancy.stale_among({one}, await app.db.run(lambda c: c.fetch(query, *args))) == set()
+    await app.db.run(lambda c: c.execute("UPDATE api_keys SET status = 'revoked', revoked_at = now() WHERE id = $1",
+                                         key["id"]))
+    assert await app.db.run(tenancy.stale_proofs, both) == {key_proof}
+    query, args = tenancy.proof_rows_query({key_proof}, 1)
+    assert tenancy.stale_among({key_proof}, await app.db.run(lambda c: c.fetch(query, *args))) == {key_proof}
+    await app.db.run(lambda c: c.execute("UPDATE accounts SET token_version = token_version + 1 WHERE id = $1",
+                                         bob.account_id))
+    assert await app.db.run(tenancy.stale_proofs, both) == both
