@@ -21,12 +21,10 @@ import trio
 from server import logs, status
 from protocol.errors import ErrorCode, ProtocolError
 from server import tenancy as ops
-from server.app import Server
 from server.auth import Authenticator, system_context, system_workspace_context
 from server.credentials import load_or_create_signer
 from server.rbac import API_KEY_SCOPES
 from server.config import DEFAULT_ATTACHMENT_TYPES, NODE_ID, DatabaseConfig, ServerConfig, default_data_dir
-from server.ops.platform import create_operator
 from storage.blobs import S3Settings
 from storage.cluster import ClusterError
 from storage.lifecycle import (ClusterLost, DatabaseStartError, database_url_host, embedded_cluster, open_database,
@@ -370,6 +368,8 @@ def _serve(args: argparse.Namespace) -> int:
 async def _serve_async(target, config: DatabaseConfig, server_config: ServerConfig, sockets: list[socket.socket],
                        key_file: Path) -> ClusterLost | None:
     """Serve until SIGINT/SIGTERM, or until the embedded cluster is lost for good (returned)."""
+    from server.app import Server  # here, not at the top: the admin commands start without the server's modules
+
     signer = load_or_create_signer(key_file)
     lost: list[ClusterLost] = []
     async with open_database(target, config.database_name) as db:
@@ -549,6 +549,8 @@ async def _admin_action(db, args: argparse.Namespace) -> object:
     if command == "workspace list":
         return [dict(r) for r in await ops.list_workspaces(db, system_context())]
     if command == "operator create":
+        from server.ops.platform import create_operator  # the other commands start without the broadcast actors
+
         operator_id, key_id, key = await create_operator(db, args.name)
         return {"operator_id": operator_id, "operator_key_id": key_id, "key": key,
                 "note": "the key is shown only once"}

@@ -17,7 +17,7 @@ from protocol import frames
 from server.app import Server
 from server.auth import Authenticator
 from server.config import ServerConfig
-from server.credentials import SessionSigner
+from server.credentials import DUMMY_PASSWORD_HASH, SessionSigner, hash_password, verify_password
 from storage.bridge import Database, PoolSettings
 from tests.conftest import App, add_person
 from tests.db_faults import hold_table_lock, release_locks, wait_for_query
@@ -251,3 +251,11 @@ async def test_a_slow_command_is_not_mistaken_for_a_dead_peer(db, nursery, tenan
             await done.wait()
         assert result["login"]["principal"] == "account"
         assert (await conn.call("ping"))["protocol_version"] == frames.PROTOCOL_VERSION
+
+
+def test_an_unknown_email_is_checked_against_a_hash_of_the_same_scrypt_cost():
+    """A login's timing does not tell registered emails from others: the stand-in hash
+    costs what a real one does and matches no password."""
+    real, stand_in = hash_password("a password").split("$"), DUMMY_PASSWORD_HASH.split("$")
+    assert stand_in[:4] == real[:4] and len(stand_in[5]) == len(real[5])
+    assert not verify_password("", DUMMY_PASSWORD_HASH) and not verify_password("a password", DUMMY_PASSWORD_HASH)
