@@ -85,7 +85,7 @@ class Connection:
     recheck_after_reply: bool = False
     push: PushState | None = None
     # Routed delivery feeds this connection consumes, by workspace (server/ops/deliveries.py).
-    delivery_feeds: dict[str, FeedSubscription] = field(default_factory=dict)
+    delivery_feeds: dict[str, FeedSubscription] | None = None  # created by the first delivery.subscribe
     last_inbound: float = field(default_factory=trio.current_time)
     command_bucket: TokenBucket | None = None
     # Workspaces a session has acted in (None until its first workspace request):
@@ -187,6 +187,13 @@ class Server:
     # Starts a task next to the connection tasks (flushes, replays); set while serving.
     spawn: Callable[..., Any] | None = None
     _edition: str | None = None
+    # Subscribes answered at once, one per pooled database connection.  A reconnect storm
+    # sends thousands together; answered all at once, each holds its request state (the
+    # handler's coroutines, its queued database units, its replay task) until the pool
+    # reaches it, and that burst, freed between the subscriptions' long-lived objects,
+    # stays in the allocator's arenas.  Measured at 1,000 subscribed connections (bench/
+    # fanout.py): 14.7 KiB of server RSS per connection without this, 10.2 with it.
+    subscribe_slots: trio.Semaphore = field(init=False)
     admission: ConnectionAdmission = field(init=False)
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     accepting: bool = False  # listeners up and not shutting down (/readyz)
@@ -198,6 +205,7 @@ class Server:
         max_unauthenticated_per_address=PROBE_MAX_CONNECTIONS))
 
     def __post_init__(self) -> None:
+        self.subscribe_slots = trio.Semaphore(self.db.settings.max_size)
         self.admission = ConnectionAdmission(
             max_connections=self.config.max_connections,
             max_unauthenticated=self.config.max_unauthenticated_connections,
@@ -406,6 +414,7 @@ class Server:
                     connection.answering = False
                     logs.request_id.set(None)
                     logs.request_op.set(None)
+            raw = None  # the command's text is not kept while the connection idles
             if connection.closing:
                 ws.close_soon(frames.CLOSE_REVOKED, "sessions revoked")
             elif connection.recheck_after_reply:
@@ -467,7 +476,11 @@ class Server:
             logs.request_op.set(frames.op_of(request))
             if marks is not None:
                 marks.append(time.perf_counter())
-            data = await handlers.dispatch(self, connection, request)
+            if type(request) is frames.Subscribe:
+                async with self.subscribe_slots:
+                    data = await handlers.dispatch(self, connection, request)
+            else:
+                data = await handlers.dispatch(self, connection, request)
             return frames.Result(id=request.id, op=frames.op_of(request), data=data)
         except ProtocolError as exc:
             return error_frame(exc, request_id if request_id is not None else exc.details.get("id"))

@@ -6,6 +6,7 @@ membership or suspended workspace → forbidden."""
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -116,7 +117,8 @@ class Authenticator:
                     claims = self.signer.verify(token)
                 except InvalidToken as exc:
                     raise unauthenticated(str(exc)) from None
-                principal = Principal(kind="account", account_id=claims.sub, token_version=claims.token_version)
+                principal = Principal(kind="account", account_id=sys.intern(claims.sub),
+                                      token_version=claims.token_version)
                 await self.revalidate(principal, expires_at=claims.exp)
             except ProtocolError:
                 self.throttle.failed(keys)
@@ -130,9 +132,12 @@ class Authenticator:
             if row is None:
                 self.throttle.failed(keys)
                 raise unauthenticated("invalid API key")
+        # Interned: a connection keeps these for its lifetime, and its push state (and the
+        # workspace's other connections) hold the same ids.
         principal = Principal(kind="api_key", account_id=row["account_id"], api_key_id=row["api_key_id"],
-                              key_workspace_id=row["workspace_id"], key_member_id=row["member_id"],
-                              key_scopes=tuple(row["scopes"]))
+                              key_workspace_id=sys.intern(row["workspace_id"]),
+                              key_member_id=sys.intern(row["member_id"]),
+                              key_scopes=tuple(sys.intern(scope) for scope in row["scopes"]))
         return principal, _api_key_workspace_context(row, principal, self.wall_clock())
 
     async def from_operator_key(self, key: str, *, source: str | None = None) -> Principal:

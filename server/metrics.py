@@ -216,6 +216,8 @@ class _ServerCollector(Collector):
         db = server.db
         yield from _gauge("scopewire_bridge_queue_depth", "Database units of work handed to the bridge and "
                           "not yet completed", db.units_in_flight)
+        yield from _gauge("scopewire_bridge_waiting_for_connection", "Database units of work queued until a "
+                          "pooled connection is free", db.units_waiting_for_connection)
         pool = db.pool_figures()
         yield from _gauge("scopewire_db_pool_connections", "Database pool connections by state", None, ["state"], [
             (["in_use"], max(pool["open"] - pool["idle"], 0)), (["idle"], pool["idle"])])

@@ -26,6 +26,7 @@ its cursors.  Nobody else waits for it.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections import deque
 from typing import TYPE_CHECKING
@@ -79,8 +80,9 @@ class PushState:
     def __init__(self, server: Server, connection: Connection, workspace_id: str, member_id: str) -> None:
         self.server = server
         self.connection = connection
-        self.workspace_id = workspace_id
-        self.member_id = member_id
+        # Interned, as the connection's principal and the workspace's other subscribers hold them.
+        self.workspace_id = workspace_id = sys.intern(workspace_id)
+        self.member_id = member_id = sys.intern(member_id)
         self.subscription = server.hub.subscribe(member_id, self)
         self.scope_cursors: dict[str, int] = {}
         self.global_cursor: int | None = None
@@ -346,8 +348,9 @@ async def subscribe(server: Server, connection: Connection, request: f.Subscribe
     if state is None:
         state = connection.push = PushState(server, connection, workspace.workspace_id, workspace.member_id)
     for row, after_seq in scopes:
-        state.scope_cursors[row["id"]] = after_seq if after_seq is not None else row["latest_seq"]
-        server.hub.follow_scope(state.subscription, row["id"])
+        scope_id = sys.intern(row["id"])  # shared by every subscriber of the scope
+        state.scope_cursors[scope_id] = after_seq if after_seq is not None else row["latest_seq"]
+        server.hub.follow_scope(state.subscription, scope_id)
     current_global = None
     if request.workspace_feed:
         current_global = await server.db.run(messages.workspace_global_tail, workspace.workspace_id)

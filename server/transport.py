@@ -28,6 +28,7 @@ import errno
 import logging
 import math
 import socket
+import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -42,6 +43,7 @@ from wsproto.utilities import RemoteProtocolError
 log = logging.getLogger("scopewire.transport")
 
 RECV_BYTES = 64 * 1024
+CONNECTION_TASK_NAME = "scopewire.connection"
 CLOSE_ABNORMAL = 1006
 CLOSE_MESSAGE_TOO_BIG = 1009
 ACCEPT_BACKOFF_SECONDS = 0.1
@@ -54,6 +56,17 @@ class ConnectionClosed(Exception):
     def __init__(self, code: int) -> None:
         super().__init__(code)
         self.code = code
+
+
+class _PendingEvents(list):
+    """wsproto's queue of pending events, for the parser's only use of it (append,
+    popleft; wsproto 1.3, pinned): a list of the one close event it ever holds, where
+    wsproto's own deque allocates a 64-slot block — 760 bytes on every connection."""
+
+    __slots__ = ()
+
+    def popleft(self) -> Any:
+        return self.pop(0)
 
 
 class WebSocket:
@@ -369,13 +382,15 @@ async def accept_loop(listener: trio.SocketListener, handle: Callable[[socket.so
         # the publishing task (see the module docstring).
         sock = socket.socket(fileno=stream.socket.detach())
         sock.setblocking(False)
-        nursery.start_soon(handle, sock)
+        # A fixed task name: trio otherwise builds one string per task from the function.
+        nursery.start_soon(handle, sock, name=CONNECTION_TASK_NAME)
 
 
 def peer_address(sock: socket.socket) -> str:
-    """The client's IP address ("" when the peer is already gone)."""
+    """The client's IP address ("" when the peer is already gone); interned, as the
+    connections behind one proxy or NAT share it."""
     try:
-        return sock.getpeername()[0]
+        return sys.intern(sock.getpeername()[0])
     except OSError:
         return ""
 
@@ -448,6 +463,7 @@ async def _upgrade(sock: socket.socket, upgrade: H11Handshake, deadline: float,
                 break
             parser = upgrade.connection
             assert parser is not None
+            parser._events = _PendingEvents()
             return WebSocket(sock, parser, subprotocol, spawn=spawn, max_message_bytes=max_message_bytes,
                              close_grace=close_grace)
     trio.lowlevel.notify_closing(sock)

@@ -11,6 +11,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 import trio
+import trio.testing
 
 from storage.cluster import ClusterSettings, PostgresCluster
 
@@ -274,3 +275,53 @@ async def test_every_pooled_transaction_is_bounded_as_a_whole(db):
         return await conn.fetchval("SHOW transaction_timeout")
     assert await db.transaction(lifted) == "0"
     assert await db.run(lambda conn: conn.fetchval("SHOW transaction_timeout")) == "1min"  # that transaction only
+
+
+async def test_units_beyond_the_pool_wait_their_turn_in_order_and_can_be_cancelled_while_waiting(database_dsn: str):
+    """Units that find every pooled connection taken queue in the bridge (not as asyncio
+    tasks inside the pool), start in submission order as connections free up, and one
+    cancelled while queued is gone at once, without waiting for a connection."""
+    release = threading.Event()
+    started: list[int] = []
+
+    async def unit(conn, index: int) -> int:
+        started.append(index)
+        if index < 2:  # the two holders keep their connections until released
+            await asyncio.get_running_loop().run_in_executor(None, release.wait, 10)
+        return await conn.fetchval("SELECT $1::int", index)
+
+    async def noop() -> None:
+        return None
+
+    async with Database(database_dsn, PoolSettings(min_size=1, max_size=2)) as database:
+        results: dict[int, int] = {}
+
+        async def submit(index: int) -> None:
+            results[index] = await database.run(unit, index)
+
+        async with trio.open_nursery() as nursery:
+            for index in range(5):
+                nursery.start_soon(submit, index)
+                await trio.testing.wait_all_tasks_blocked()  # handed over in this order
+            waiting = trio.CancelScope()
+            gone = trio.Event()
+
+            async def cancelled_while_waiting() -> None:
+                with waiting:
+                    await database.run(unit, 99)
+                gone.set()
+
+            nursery.start_soon(cancelled_while_waiting)
+            await trio.testing.wait_all_tasks_blocked()
+            await database.on_loop(noop)  # the loop has drained every submission before it
+            assert database.units_waiting_for_connection == 4
+            assert database.pool_figures()["open"] <= 2
+            waiting.cancel()
+            await gone.wait()  # while both connections are still held
+            assert database.units_waiting_for_connection == 3
+            release.set()
+        assert results == {index: index for index in range(5)}
+        assert sorted(started) == [0, 1, 2, 3, 4]  # not 99
+        waiters = [index for index in started if index >= 2]
+        assert waiters == [2, 3, 4]
+        assert database.units_waiting_for_connection == 0

@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from client import ClientError, connect
 from server.config import ServerConfig
 from server.logs import JsonFormatter
+from server.transport import CONNECTION_TASK_NAME
 from tests.conftest import App, add_person
 from tests.test_messaging import open_channel
 from tests.test_tenancy import signed_in
@@ -87,7 +88,8 @@ async def test_health_ready_and_metrics_answer_plain_http_on_the_websocket_port(
             "scopewire_actor_batch_size", "scopewire_actor_commit_duration_seconds", "scopewire_fanout_deliveries",
             "scopewire_fanout_bytes", "scopewire_slow_consumer_closes", "scopewire_push_gap_replays",
             "scopewire_outbox_backlog",
-            "scopewire_outbox_retries", "scopewire_bridge_queue_depth", "scopewire_db_pool_connections",
+            "scopewire_outbox_retries", "scopewire_bridge_queue_depth",
+            "scopewire_bridge_waiting_for_connection", "scopewire_db_pool_connections",
             "scopewire_node_info", "scopewire_node_lease_healthy", "scopewire_forwarded_commands",
             "scopewire_bus_messages_sent", "scopewire_bus_messages_received", "scopewire_bus_resyncs",
             "scopewire_bus_database_reads"} <= names
@@ -376,7 +378,7 @@ async def test_scope_actors_do_not_inherit_the_connection_that_started_them(app:
         await owner.call("message.send", scope_id=channel["id"], content="x", workspace_id=alpha.workspace_id)
         tasks = list(_tasks(trio.lowlevel.current_root_task()))
         actors = [t for t in tasks if "ScopeRegistry._supervise" in t.name]
-        connections = [t for t in tasks if "Server._handle" in t.name]
+        connections = [t for t in tasks if t.name == CONNECTION_TASK_NAME]
         assert actors and connections
         assert all(t.context.get(logs.connection_id) for t in connections)  # the variable is set per connection
         assert [t.context.get(logs.connection_id) for t in actors] == [None] * len(actors)

@@ -9,6 +9,7 @@ import socket
 
 import pytest
 import trio
+import trio.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from wsproto.events import CloseConnection, Message, Request, TextMessage
@@ -416,3 +417,32 @@ def test_the_feed_delivers_each_readable_message_once_in_order_whatever_the_publ
             thread.run(_publish_out_of_order, thread, *plan)
 
         publications()
+
+
+async def test_subscribes_are_answered_a_pooled_connection_at_a_time(app: App, tenants):
+    """README: a node answers as many subscribes at once as its database pool has
+    connections; the rest wait their turn, and other commands are not held back."""
+    alpha, _ = tenants
+    ws = {"workspace_id": alpha.workspace_id}
+    slots = app.server.subscribe_slots
+    capacity = slots.value
+    assert capacity == app.server.db.settings.max_size
+    async with await signed_in(app, alpha.owner) as owner, await signed_in(app, alpha.owner) as other:
+        channel = await open_channel(owner, alpha.workspace_id, "admitted")
+        for _ in range(capacity):
+            slots.acquire_nowait()  # every slot busy
+        answered = []
+
+        async def subscribe() -> None:
+            answered.append(await owner.call("subscribe", scopes=[{"scope_id": channel["id"]}], **ws))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(subscribe)
+            await trio.testing.wait_all_tasks_blocked()  # the command is read (it needs no database yet)
+            assert slots.statistics().tasks_waiting == 1 and answered == []
+            assert (await other.call("scope.get", scope_id=channel["id"], **ws))["id"] == channel["id"]
+            assert slots.statistics().tasks_waiting == 1 and answered == []
+            slots.release()
+        assert [s["id"] for s in answered[0]["scopes"]] == [channel["id"]]
+        for _ in range(capacity - 1):
+            slots.release()

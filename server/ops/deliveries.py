@@ -71,6 +71,8 @@ async def subscribe(server: Server, connection: Connection, request: d.DeliveryS
                     ctx: RequestContext) -> d.DeliverySubscribed:
     workspace = ctx.require(Permission.MESSAGE_READ)
     latest, unacked = await server.db.run(deliveries.feed_state, workspace.workspace_id, workspace.member_id)
+    if connection.delivery_feeds is None:
+        connection.delivery_feeds = {}
     existing = connection.delivery_feeds.get(workspace.workspace_id)
     if existing is not None and existing.active:
         server.deliveries.update(existing, request.max_in_flight)
@@ -94,7 +96,7 @@ async def ack(server: Server, connection: Connection, request: d.DeliveryAck, ct
 async def unsubscribe(server: Server, connection: Connection, request: d.DeliveryUnsubscribe,
                       ctx: RequestContext) -> f.Ok:
     workspace = ctx.require(Permission.MESSAGE_READ)
-    subscription = connection.delivery_feeds.pop(workspace.workspace_id, None)
+    subscription = connection.delivery_feeds.pop(workspace.workspace_id, None) if connection.delivery_feeds else None
     if subscription is not None:
         server.deliveries.unsubscribe(subscription)
     return f.Ok()
@@ -126,9 +128,9 @@ async def list_feed(server: Server, connection: Connection, request: d.DeliveryL
 
 def release_all(server: Server, connection: Connection) -> None:
     """The connection closed: every feed it held returns its unacked deliveries."""
-    for subscription in connection.delivery_feeds.values():
+    for subscription in (connection.delivery_feeds or {}).values():
         server.deliveries.unsubscribe(subscription)
-    connection.delivery_feeds.clear()
+    connection.delivery_feeds = None
 
 
 HANDLERS = {
