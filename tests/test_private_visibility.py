@@ -268,7 +268,11 @@ async def test_live_events_follow_the_agents_interval_typing_and_membership(app:
             await expect_error("not_found", scout.call("message.get", message_id=before["id"], **ws))
             await b.call("reaction.add", message_id=before["id"], key=":eyes:", **ws)
             await b.call("typing", scope_id=later["id"], **ws)
-            assert [e["event"] for e in await _events_until_marker(scout, owner, later["id"], ws)] == []
+            # The actor answers the invite before it publishes the membership event, so the
+            # agent, subscribed meanwhile, may hear of its own arrival (seen once in CI).
+            received = await _events_until_marker(scout, owner, later["id"], ws)
+            assert [e["event"] for e in received
+                    if not (e["event"] == "membership.changed" and e["data"]["member_id"] == agent["id"])] == []
             await owner.call("typing", scope_id=later["id"], **ws)
             assert [e["event"] for e in await _events_until_marker(scout, owner, later["id"], ws)] == ["typing"]
         opened = [e["data"] for e in b.queued_events() if e["event"] == "membership.changed"]
