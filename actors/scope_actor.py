@@ -298,6 +298,9 @@ class ScopeActor:
         self._executions: set[str] = set()
         # Ensured in the running batch: known to exist only once it commits.
         self._executions_in_batch: set[str] = set()
+        # Cached contexts' proofs this actor's batches found fresh, with their rows' digest
+        # then: a batch of plain sends checks them unchanged inside its one statement.
+        self._proof_digests: dict[CredentialProof, str] = {}
         # Without a settler: messages delivered inline whose outbox rows are not marked
         # yet; the mark rides in the next batch's transaction, or commits alone when the
         # mailbox is empty.
@@ -384,10 +387,10 @@ class ScopeActor:
         started = time.perf_counter()
         try:
             if previous is not None:
-                outcomes = await self.db.transaction_overlapping(partial(self._publish, previous), self._apply_batch,
-                                                                 batch, settling)
+                outcomes = await self.db.run_overlapping(partial(self._publish, previous), self._write_batch,
+                                                         batch, settling)
             else:
-                outcomes = await self.db.transaction(self._apply_batch, batch, settling)
+                outcomes = await self.db.run(self._write_batch, batch, settling)
         except LeaseLost as exc:
             # Another node owns the scope now: nothing of this batch committed, and this
             # actor must not write again; its callers retry at the owner.
@@ -595,6 +598,77 @@ class ScopeActor:
         finally:
             del self._unsettled[:len(settling)]
 
+    async def _write_batch(self, conn: asyncpg.Connection, batch: list[Command], settling: list[str]) -> list[Any]:
+        """The batch's outcomes, written in one statement when it is all plain sends whose
+        gates pass (no BEGIN, no COMMIT: a quarter of the round trips), else in a transaction."""
+        plans = self._plain_send_plans(batch, settling)
+        if plans is not None:
+            outcomes = await self._insert_plain_sends(conn, batch, plans)
+            if outcomes is not None:
+                return outcomes
+        async with conn.transaction():
+            return await self._apply_batch(conn, batch, settling)
+
+    def _plain_send_plans(self, batch: list[Command], settling: list[str]) -> list[MessagePlan] | None:
+        """The plans of a batch that `_apply_batch` would commit with nothing but the fences,
+        the proofs and `applier.insert_messages`: sends into a leased channel or DM, each
+        plannable from the actor's state alone (no mention, recipient, attachment, source,
+        audience, wake or admission; no private agent a DM's time window concerns), whose
+        cached contexts' proofs this actor has found fresh before; else None."""
+        state = self.state
+        if (settling or self.lease is None or state is None or self.parent is not None
+                or state.type not in ("channel", "dm") or self._auto_wake
+                or (state.type == "dm" and self._private_readers_here())):
+            return None
+        plans: list[MessagePlan] = []
+        client_ids: set[str] = set()
+        kinds: set[str] = set()
+        for command in batch:
+            if type(command) is not Send:
+                return None
+            intent = command.intent
+            if intent.recipients or intent.attachment_ids or intent.sources or _safe_handles(intent):
+                return None
+            if command.proof is not None:
+                if command.proof not in self._proof_digests:
+                    return None
+                kinds.add(command.proof.kind)
+            if intent.client_message_id is not None:
+                if intent.client_message_id in client_ids:
+                    return None
+                client_ids.add(intent.client_message_id)
+            try:
+                plan = plan_message(intent, command.actor, state, {}, None, self.authority, None)
+            except (PlanRefused, TooManyRoutingTokens):
+                return None
+            if plan.routes or plan.membership_mutations or plan.executions or plan.audience_mentions:
+                return None
+            plans.append(plan)
+        return plans if len(kinds) <= 1 else None
+
+    async def _insert_plain_sends(self, conn: asyncpg.Connection, batch: list[Command],
+                                  plans: list[MessagePlan]) -> list[Any] | None:
+        """Commit `plans` in one statement gated like `_apply_batch`; None when a gate did not
+        pass or a client_message_id was seen before (nothing was written: the transactional
+        path then answers each command as it always does)."""
+        assert self.state is not None and self.lease is not None
+        state = self.state
+        digests = {c.proof: self._proof_digests[c.proof] for c in batch if c.proof is not None}
+        gate = leases.scope_write_gate(*self.lease, sorted({c.actor.execution_generation for c in batch}), digests)
+        committed = await applier.insert_messages(conn, state.workspace_id, state.scope_id, plans, gate=gate)
+        if committed is None:
+            return None
+        self._executions_in_batch = set()
+        return [Outcome(message, [] if plan.intent.silent else [CommittedEvent(
+                    "message.created", message.workspace_id, message.scope_id, message.seq,
+                    message.workspace_global_seq, message)])
+                for plan, message in zip(plans, committed)]
+
+    def _remember_fresh_proofs(self, fresh: dict[CredentialProof, str]) -> None:
+        if len(self._proof_digests) + len(fresh) > _PROOF_DIGESTS_KEPT:
+            self._proof_digests.clear()  # revoked and rotated contexts do not accumulate
+        self._proof_digests.update(fresh)
+
     async def _apply_batch(self, conn: asyncpg.Connection, batch: list[Command], settling: list[str]) -> list[Any]:
         assert self.state is not None
         fence = None
@@ -610,7 +684,9 @@ class ScopeActor:
             fence, rows = await leases.pass_fence_and_share_execution_state(
                 conn, self.scope_id, *self.lease, self.state.workspace_id, proof_rows)
             if proof_rows is not None:
-                stale = tenancy.stale_among(proofs, rows)
+                fresh = tenancy.fresh_among(proofs, rows)
+                stale = proofs - fresh.keys()
+                self._remember_fresh_proofs(fresh)
         else:
             await self._pass_lease_fence(conn)
         if self.state.type == "task":
@@ -1360,6 +1436,10 @@ def register_command(command_type: type[Command]):
         DOMAIN_COMMANDS[command_type] = handler
         return handler
     return decorate
+
+
+# Proof digests a scope actor keeps (`ScopeActor._proof_digests`): one per sender's cached context.
+_PROOF_DIGESTS_KEPT = 4096
 
 
 def _safe_handles(intent: MessageIntent) -> tuple[str, ...]:

@@ -8,9 +8,10 @@ amortization, so the targets are evaluated on the durable cluster):
   throughput   persisted sends/s into ONE hot scope from --senders (default 100) concurrent
                trio tasks, each a distinct agent member of the scope, until --messages total.
                  actor     `ScopeRegistry.submit(scope, Send(...))`: the scope's actor commits
-                           whatever is queued in one transaction (group commit), then settles
-                           the inline outbox rows in a second one; it holds the scope's lease
-                           and every transaction passes the lease's fence, as in `serve`.
+                           whatever is queued at once (group commit) — these plain sends in one
+                           statement that passes the lease's and the execution state's fences
+                           itself, as in `serve` — then settles the inline outbox rows in a
+                           transaction of its own.
                  baseline  same tasks, same bridge, one transaction per message doing what a
                            one-message batch does: execution-state FOR SHARE check,
                            plan_message (ScopeContext loaded once, no mentions),
@@ -186,29 +187,36 @@ class TxStats:
 
 
 class TxCounter:
-    """Wraps `db.transaction` on the instance (callers look it up per call) to count, into
-    `self.stats` while it is set, the transactions each side runs, the actor's batch sizes
-    and the time spent in each kind."""
+    """Wraps the units of work `db` runs (`transaction`, `run` and their overlapping forms;
+    on the instance: callers look them up per call) to count, into `self.stats` while it
+    is set, the units each side runs by function name, the actor's batch sizes and the time
+    spent in each kind.  A scope actor's batch is `_write_batch`: one statement or one
+    transaction."""
 
     def __init__(self, db: Database) -> None:
         self.stats: TxStats | None = None
-        original = db.transaction
+        for method in ("transaction", "run"):
+            setattr(db, method, self._counted(getattr(db, method)))
+        for method in ("transaction_overlapping", "run_overlapping"):
+            setattr(db, method, self._counted(getattr(db, method), overlapping=True))
 
-        async def counted(fn: Callable[..., Awaitable[Any]], *args: Any, **kwargs: Any) -> Any:
+    def _counted(self, original: Callable[..., Awaitable[Any]], *,
+                 overlapping: bool = False) -> Callable[..., Awaitable[Any]]:
+        async def counted(*args: Any, **kwargs: Any) -> Any:
             stats = self.stats
             if stats is None:
-                return await original(fn, *args, **kwargs)
+                return await original(*args, **kwargs)
+            fn, unit_args = (args[1], args[2:]) if overlapping else (args[0], args[1:])
             name = getattr(fn, "__name__", repr(fn))
-            if name == "_apply_batch":
-                stats.batches.append(len(args[0]))
+            if name == "_write_batch":
+                stats.batches.append(len(unit_args[0]))
             start = time.perf_counter()
             try:
-                return await original(fn, *args, **kwargs)
+                return await original(*args, **kwargs)
             finally:
                 stats.counts[name] = stats.counts.get(name, 0) + 1
                 stats.seconds[name] = stats.seconds.get(name, 0.0) + time.perf_counter() - start
-
-        db.transaction = counted  # type: ignore[method-assign]
+        return counted
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -999,7 +1007,8 @@ def main(argv: list[str] | None = None) -> int:
             "quick": args.quick,
             "throughput_sides": {
                 "actor": "ScopeRegistry.submit(scope, Send(...)); the actor commits each mailbox batch in one "
-                         "transaction (_apply_batch), then settle_inline_delivered in a second one",
+                         "statement (_write_batch: plain sends into a leased scope), then "
+                         "settle_inline_delivered in a transaction of its own",
                 "baseline": "Database.transaction per message: execution_state_for_share, plan_message "
                             "(ScopeContext loaded once, no mentions), applier.insert_messages([plan])",
             },

@@ -10,6 +10,7 @@ Nothing here decides permissions; the Policy did that.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import asyncpg
@@ -207,11 +208,17 @@ async def find_idempotent(conn: asyncpg.Connection, scope_id: str,
 
 
 async def insert_messages(conn: asyncpg.Connection, workspace_id: str, scope_id: str, plans: list[MessagePlan],
-                          attachments: list[list[dict[str, Any]]] | None = None) -> list[CommittedMessage]:
+                          attachments: list[list[dict[str, Any]]] | None = None, *,
+                          gate: Callable[[int], tuple[str, list]] | None = None) -> list[CommittedMessage] | None:
     """Allocate seqs and insert fresh messages (the caller handled idempotency).
     O(1) rows per message whatever the audience: the message, its sources, its
     search doc, one outbox row (none when silent).  `attachments[i]` (checked and
-    locked by the caller) are claimed by message i and described in its metadata."""
+    locked by the caller) are claimed by message i and described in its metadata.
+
+    `gate` (given the number of its first parameter) makes the statement stand alone,
+    outside a transaction: it writes only when the gate's SELECT yields a row, and also
+    only when no message of the scope holds one of the plans' client_message_ids (a
+    replay is answered by the transactional path); None when nothing was written."""
     count = len(plans)
     ids = [new_id("msg") for _ in plans]
     metadata = [_metadata_for(plan) for plan in plans]
@@ -226,19 +233,30 @@ async def insert_messages(conn: asyncpg.Connection, workspace_id: str, scope_id:
     # keys on the message are checked at its end).  The workspace counter row stays locked until
     # commit: allocation order == commit order within the workspace (see storage/schema.py); the
     # scope's update reads the counter's new value, and message i of n takes tail - n + i.
+    gate_sql, gate_args = gate(24 + len(docs_args)) if gate is not None else ("", [])
+    # Keyed as the idempotency index is: (scope, author, subject, client_message_id).
+    replay = ("AND NOT EXISTS (SELECT 1 FROM unnest($5::text[], $8::text[], $9::text[]) AS k(a, sub, c) "
+              "JOIN scope_messages m ON m.scope_id = $2 AND m.author_member_id = k.a "
+              "AND m.idempotency_subject_member_id = k.sub AND m.client_message_id = k.c) "
+              if any(p.intent.client_message_id is not None for p in plans) else "")
+    counter_source = (f"SELECT $1, $3 WHERE EXISTS (SELECT 1 FROM gate) {replay}"
+                      "AND EXISTS (SELECT 1 FROM scopes WHERE id = $2)" if gate is not None else "VALUES ($1, $3)")
     tails = await conn.fetchrow(
-        "WITH g AS (INSERT INTO workspace_message_counters (workspace_id, latest_global_seq) VALUES ($1, $3) "
+        f"WITH {f'gate AS ({gate_sql}), ' if gate is not None else ''}"
+        f"g AS (INSERT INTO workspace_message_counters (workspace_id, latest_global_seq) {counter_source} "
         "ON CONFLICT (workspace_id) DO UPDATE SET latest_global_seq = workspace_message_counters.latest_global_seq + $3 "
         "RETURNING latest_global_seq), "
         "tail AS (UPDATE scopes SET latest_seq = latest_seq + $3, latest_global_seq = (SELECT latest_global_seq FROM g), "
-        "latest_message_at = now(), updated_at = now() WHERE id = $2 RETURNING latest_seq, latest_global_seq), "
+        "latest_message_at = now(), updated_at = now() WHERE id = $2 AND EXISTS (SELECT 1 FROM g) "
+        "RETURNING latest_seq, latest_global_seq), "
         "numbered AS (SELECT u.i, tail.latest_seq - $3 + u.n AS s, tail.latest_global_seq - $3 + u.n AS g "
         "FROM tail, unnest($4::text[]) WITH ORDINALITY AS u(i, n)), "
         "outbox AS (INSERT INTO scope_fanout_outbox (id, workspace_id, scope_id, message_id, event_ref_type, "
         "event_ref_id, fanout_type, delivery_policy, dedupe_key, payload, execution_generation, next_attempt_at) "
         "SELECT oi, $1, $2, om, ort, ori, oft, odp, odk, op::jsonb, og, now() + make_interval(secs => $23) FROM unnest("
         "$14::text[], $15::text[], $16::text[], $17::text[], $18::text[], $19::text[], $20::text[], $21::text[], "
-        f"$22::bigint[]) AS o(oi, om, ort, ori, oft, odp, odk, op, og)), docs AS ({docs_sql}), "
+        f"$22::bigint[]) AS o(oi, om, ort, ori, oft, odp, odk, op, og) WHERE EXISTS (SELECT 1 FROM tail)), "
+        f"docs AS ({docs_sql}), "
         "inserted AS (INSERT INTO scope_messages (id, workspace_id, scope_id, seq, workspace_global_seq, "
         "author_member_id, author_type, notify_principal_member_id, idempotency_subject_member_id, client_message_id, "
         "idempotency_payload_digest, message_type, content, metadata) "
@@ -254,9 +272,11 @@ async def insert_messages(conn: asyncpg.Connection, workspace_id: str, scope_id:
         [p.digest if p.intent.client_message_id is not None else None for p in plans],
         [p.intent.message_type for p in plans], [p.intent.content for p in plans],
         [json.dumps(m) for m in metadata],
-        *_message_outbox_columns(ids, plans), INLINE_GRACE_SECONDS, *docs_args,
+        *_message_outbox_columns(ids, plans), INLINE_GRACE_SECONDS, *docs_args, *gate_args,
     )
     if tails is None:
+        if gate is not None:
+            return None
         raise NotFound("scope")
     scope_tail, global_tail, created_at = tails["latest_seq"], tails["latest_global_seq"], tails["created_at"]
     seqs = range(scope_tail - count + 1, scope_tail + 1)

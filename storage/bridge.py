@@ -270,6 +270,11 @@ class Database:
         is handed over: CPU work here overlaps the database's work there."""
         return await self._submit(fn, args, kwargs, "transaction", meanwhile)
 
+    async def run_overlapping(self, meanwhile: Callable[[], None], fn: UnitOfWork[T], *args: Any,
+                              **kwargs: Any) -> T:
+        """Like `run`, overlapped with `meanwhile()` as `transaction_overlapping` is."""
+        return await self._submit(fn, args, kwargs, "connection", meanwhile)
+
     async def on_loop(self, fn: Callable[[], Awaitable[T]]) -> T:
         """Run a pool-less coroutine on the bridge's asyncio loop: for other asyncio-only
         clients (the NATS bus transport) that should share its thread."""

@@ -13,12 +13,15 @@ nodes' own clocks never matter.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import asyncpg
 
+from domain.credentials import CredentialProof
 from domain.platform import PLATFORM_CHANNEL
+from storage import tenancy
 from storage.errors import LeaseLost, NotFound
 
 
@@ -146,10 +149,10 @@ async def release(conn: asyncpg.Connection, key: str, node_id: str, epoch: int, 
                        key, node_id, epoch)
 
 
-def _fence_query(kind: LeasedKind) -> str:
-    """True while ($1, $2, $3) = (key, node, epoch) holds the lease; locks its row shared."""
-    return (f"SELECT true FROM {kind.table} l WHERE l.{kind.key} = $1 AND l.node_id = $2 AND l.epoch = $3 "
-            f"AND EXISTS (SELECT 1 FROM cluster_nodes n WHERE n.node_id = $2 AND n.stopped_at IS NULL "
+def _fence_query(kind: LeasedKind, key: str = "$1", node: str = "$2", epoch: str = "$3") -> str:
+    """True while (key, node, epoch) — by default ($1, $2, $3) — holds the lease; locks its row shared."""
+    return (f"SELECT true FROM {kind.table} l WHERE l.{kind.key} = {key} AND l.node_id = {node} AND l.epoch = {epoch} "
+            f"AND EXISTS (SELECT 1 FROM cluster_nodes n WHERE n.node_id = {node} AND n.stopped_at IS NULL "
             f"AND n.lease_expires_at > clock_timestamp()) FOR SHARE OF l")
 
 
@@ -187,6 +190,25 @@ async def pass_fence_and_share_execution_state(
     return ({"active_generation": gate["gate_generation"], "write_fenced": gate["gate_write_fenced"],
              "state": gate["gate_state"]},
             [row for row in rows if extra and row[4] is not None])
+
+
+def scope_write_gate(node_id: str, epoch: int, generations: list[int],
+                     proof_digests: dict[CredentialProof, str]) -> Callable[[int], tuple[str, list]]:
+    """For a scope's write that is one statement (no transaction around it): a SELECT,
+    numbered from the `first` it is given, that yields a row only when every gate of
+    `_apply_batch` passes — the lease held (its row locked shared first), the workspace's
+    execution state active, unfenced and of each of `generations` (locked shared), and each
+    cached context's credential rows unchanged since `proof_digests` were read.  The
+    statement writes only from that row: no row, nothing written.  It names the scope's
+    workspace `$1` and the scope `$2`."""
+    def gate(first: int) -> tuple[str, list]:
+        proofs = tenancy.proofs_unchanged(proof_digests, first + 3) if proof_digests else ("true", [])
+        return (f"SELECT 1 FROM workspace_execution_states e WHERE e.workspace_id = $1 "
+                f"AND EXISTS ({_fence_query(SCOPES, '$2', f'${first}', f'${first + 1}')}) "
+                f"AND NOT e.write_fenced AND e.state = 'active' AND e.active_generation = ALL(${first + 2}::bigint[]) "
+                f"AND {proofs[0]} FOR SHARE OF e",
+                [node_id, epoch, generations, *proofs[1]])
+    return gate
 
 
 async def unowned_platform_accounts(conn: asyncpg.Connection, node_id: str) -> list[str]:

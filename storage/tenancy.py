@@ -427,23 +427,66 @@ def _session_proof_rows(first: int) -> str:
             f"{_MEMBERSHIP_CONTEXT_JOINS}")
 
 
+def _with_digest(rows_sql: str, columns: tuple[str, ...]) -> str:
+    """`rows_sql` with `proof_digest`: a SHA-256 of the proof's columns as PostgreSQL prints
+    them, so a later statement can tell, without Python, that those rows have not changed since."""
+    return (f"SELECT p.*, encode(sha256(convert_to(ROW({', '.join(f'p.{c}' for c in columns)})::text, 'UTF8')), "
+            f"'hex') AS proof_digest FROM ({rows_sql}) p")
+
+
 def proof_rows_query(proofs: set[CredentialProof], first: int) -> tuple[str, list] | None:
     """The SELECT of the current rows of `proofs` when all are of one kind, numbering its
     parameters from `first`, and its arguments: for a statement that reads them along with
     something else (a write batch's gate).  None for proofs of both kinds (`stale_proofs`)."""
     kinds = {p.kind for p in proofs}
     if kinds == {"api_key"}:
-        return _API_KEY_CONTEXT + f"WHERE k.id = ANY(${first}::text[])", [sorted({p.credential_id for p in proofs})]
+        return (_with_digest(_API_KEY_CONTEXT + f"WHERE k.id = ANY(${first}::text[])", _KEY_PROOF),
+                [sorted({p.credential_id for p in proofs})])
     if kinds == {"account"}:
         pairs = sorted({(p.credential_id, p.workspace_id) for p in proofs})
-        return _session_proof_rows(first), [[a for a, _ in pairs], [w for _, w in pairs]]
+        return (_with_digest(_session_proof_rows(first), _SESSION_PROOF + _CONTEXT_PROOF),
+                [[a for a, _ in pairs], [w for _, w in pairs]])
     return None
+
+
+def fresh_among(proofs: set[CredentialProof], rows: list[asyncpg.Record]) -> dict[CredentialProof, str]:
+    """The proofs (of one kind) that `proof_rows_query`'s rows still match, each with its
+    rows' digest (for `proofs_unchanged`)."""
+    kind = next(iter(proofs)).kind if proofs else None
+    current = {key_proof(row) if kind == "api_key" else session_proof(row, row): row["proof_digest"] for row in rows}
+    return {proof: current[proof] for proof in proofs if proof in current}
 
 
 def stale_among(proofs: set[CredentialProof], rows: list[asyncpg.Record]) -> set[CredentialProof]:
     """The proofs (of one kind) that `proof_rows_query`'s rows no longer match."""
-    kind = next(iter(proofs)).kind if proofs else None
-    return proofs - {key_proof(row) if kind == "api_key" else session_proof(row, row) for row in rows}
+    return proofs - fresh_among(proofs, rows).keys()
+
+
+def proofs_unchanged(digests: dict[CredentialProof, str], first: int) -> tuple[str, list]:
+    """A condition, with its parameters numbered from `first` and its arguments: true while
+    the rows of each of `digests`' proofs (all of one kind, each found fresh by `fresh_among`)
+    still have the digest they had then — so they still match the proof."""
+    proofs = sorted(digests, key=lambda p: (p.credential_id, p.workspace_id))
+    ids, digest_values = [p.credential_id for p in proofs], [digests[p] for p in proofs]
+    kind = proofs[0].kind
+    rows_sql, _ = proof_rows_query({proofs[0]}, first)  # the same parameters: ids (and workspaces) first
+    if kind == "api_key":
+        digests_at = first + 1
+        joined = (f"unnest(${first}::text[], ${digests_at}::text[]) AS x(id, digest) "
+                  "ON x.id = p.api_key_id AND x.digest = p.proof_digest")
+        matched = "x.id || ' ' || x.digest"
+        args = [ids, digest_values]
+    else:
+        digests_at = first + 2
+        joined = (f"unnest(${first}::text[], ${first + 1}::text[], ${digests_at}::text[]) "
+                  "AS x(id, workspace_id, digest) "
+                  "ON x.id = p.id AND x.workspace_id = p.workspace_id AND x.digest = p.proof_digest")
+        matched = "x.id || ' ' || x.workspace_id || ' ' || x.digest"
+        args = [ids, [p.workspace_id for p in proofs], digest_values]
+    # Each proof is one (credential, workspace, digest): all still match when as many distinct
+    # ones match.  Two proofs of one credential (a context cached before a change) never both do.
+    return (f"(SELECT count(DISTINCT {matched}) FROM ({rows_sql}) p JOIN {joined}) "
+            f"= cardinality(${digests_at}::text[])", args)
 
 
 async def stale_proofs(conn: asyncpg.Connection, proofs: set[CredentialProof]) -> set[CredentialProof]:

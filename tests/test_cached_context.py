@@ -65,7 +65,9 @@ async def test_a_silent_change_refuses_the_next_cached_send(app: App, team, cred
             await sender.auth(api_key=key["key"])
         else:
             await sender.login(bob.email, bob.password)
-        for i in range(2):  # the first fills the cache, the second is served from it
+        # The first fills the cache; the second is served from it, its proof checked in its
+        # batch's transaction; the third's in the one statement that writes it.
+        for i in range(3):
             await sender.call("message.send", scope_id=channel["id"], content=f"warm {i}", **ws)
         before = await _message_count(app, channel["id"])
         statement = sql.format(workspace=alpha.workspace_id, member=bob.member_id, account=bob.account_id,

@@ -4,6 +4,7 @@ departed members, one visibility module."""
 
 from __future__ import annotations
 
+import pytest
 import trio
 
 from actors import scope_actor
@@ -15,6 +16,7 @@ from server.auth import system_workspace_context
 from server import messaging
 from storage import applier, messages, tenancy, visibility
 from storage.applier import MESSAGE_DOMAIN_TABLES
+from storage.errors import LeaseLost, WriteFenced
 from tests.conftest import App, add_person
 from tests.test_messaging import ListSink, open_channel
 from tests.test_tenancy import expect_error, signed_in
@@ -135,6 +137,49 @@ async def test_channel_create_with_members_is_one_transaction(app: App, tenants,
         channel = await open_channel(owner, alpha.workspace_id, "team", [bob.member_id])
         members = (await owner.call("scope.members", scope_id=channel["id"], **ws))["members"]
         assert sorted(m["member_id"] for m in members) == sorted([alpha.owner.member_id, bob.member_id])
+
+
+# A plain send is one statement (no transaction) that passes the gates itself: each change
+# below, written straight into the database (no NOTIFY), must make it write nothing.
+GATE_CHANGES = {
+    "lease taken again (a new epoch)": ("UPDATE scope_leases SET epoch = epoch + 1 WHERE scope_id = $1", LeaseLost),
+    "workspace write-fenced": ("UPDATE workspace_execution_states SET write_fenced = true WHERE workspace_id = "
+                               "(SELECT workspace_id FROM scopes WHERE id = $1)", WriteFenced),
+    "workspace draining": ("UPDATE workspace_execution_states SET state = 'draining' WHERE workspace_id = "
+                           "(SELECT workspace_id FROM scopes WHERE id = $1)", WriteFenced),
+    "execution generation advanced": ("UPDATE workspace_execution_states SET active_generation = "
+                                      "active_generation + 1 WHERE workspace_id = "
+                                      "(SELECT workspace_id FROM scopes WHERE id = $1)", WriteFenced),
+}
+
+
+@pytest.mark.parametrize("change", GATE_CHANGES)
+async def test_a_plain_send_writes_nothing_when_a_gate_of_its_one_statement_fails(app: App, tenants, monkeypatch,
+                                                                                 change: str):
+    alpha, _ = tenants
+    scope_id, actor = await _bare_scope(app.db, alpha)
+    registry = app.server.registry
+    await registry.submit(scope_id, Send(actor, MessageIntent(scope_id=scope_id, content="warm")))
+    statements: list[str] = []
+    run = app.db.run
+
+    async def logged_run(fn, *args, **kwargs):
+        async def logged(conn, *unit_args, **unit_kwargs):
+            with conn.query_logger(lambda record: statements.append(record.query)):
+                return await fn(conn, *unit_args, **unit_kwargs)
+        return await run(logged if getattr(fn, "__name__", "") == "_write_batch" else fn, *args, **kwargs)
+
+    sql, refusal = GATE_CHANGES[change]
+    await app.db.run(lambda c: c.execute(sql, scope_id))
+    monkeypatch.setattr(app.db, "run", logged_run)
+    command = Send(actor, MessageIntent(scope_id=scope_id, content="after"))
+    await registry._actors[scope_id].mailbox.send(command)  # to this actor: the registry would forward
+    with pytest.raises(refusal):
+        await command.reply.wait()
+    monkeypatch.undo()
+    assert statements and statements[0].startswith("WITH gate AS"), statements[:1]  # the one statement ran first
+    assert await app.db.run(lambda c: c.fetchval("SELECT count(*) FROM scope_messages WHERE scope_id = $1",
+                                                 scope_id)) == 1
 
 
 # --- 4. the outbox re-checks the execution generation before the side effect -----------------------------

@@ -172,12 +172,12 @@ async def test_only_the_owner_grantees_and_collaborators_may_address_a_private_a
 
 
 def _actor_statements(app: App, monkeypatch: pytest.MonkeyPatch) -> tuple[list[str], contextlib.AbstractContextManager]:
-    """Every statement the scope actors' batch transactions run while the context is open."""
+    """Every statement the scope actors' batches run while the context is open."""
     captured: list[str] = []
 
     def logging(method):
         async def run(*args, **kwargs):
-            units = [i for i, a in enumerate(args) if getattr(a, "__name__", "") == "_apply_batch"]
+            units = [i for i, a in enumerate(args) if getattr(a, "__name__", "") == "_write_batch"]
             if not units:
                 return await method(*args, **kwargs)
             index = units[0]
@@ -193,8 +193,8 @@ def _actor_statements(app: App, monkeypatch: pytest.MonkeyPatch) -> tuple[list[s
     @contextlib.contextmanager
     def capturing() -> Iterator[None]:
         with monkeypatch.context() as patch:
-            patch.setattr(app.db, "transaction", logging(app.db.transaction))
-            patch.setattr(app.db, "transaction_overlapping", logging(app.db.transaction_overlapping))
+            patch.setattr(app.db, "run", logging(app.db.run))
+            patch.setattr(app.db, "run_overlapping", logging(app.db.run_overlapping))
             yield
     return captured, capturing()
 
@@ -482,21 +482,24 @@ async def test_a_busy_scopes_batches_carry_no_settle_marks_and_the_settler_marks
         "SELECT count(*) FROM scope_fanout_outbox WHERE scope_id = $1 AND fanout_type = 'message.created' "
         "AND status <> 'delivered'", channel["id"])) == 0
 
-async def test_a_send_is_two_statements_between_begin_and_commit_cached_context_or_not(app: App, world,
-                                                                                        monkeypatch):
-    """The lease and execution fences are one statement; seq allocation, the message, its
-    outbox row and its search document another.  A send served from the connection's
-    cached context has its credential's rows re-read by the fences' statement."""
+async def test_a_plain_send_is_one_statement_cached_context_or_not(app: App, world, monkeypatch):
+    """A plain send is one statement, outside any transaction: the lease and execution
+    fences, seq allocation, the message, its outbox row and its search document.  A send
+    served from the connection's cached context has its credential's rows re-read there
+    too — after its batch's transaction (fences, then the insert) first found them fresh."""
     alpha, bob, carol, agent, channel, key, ws = world
+    writes = ("workspace_message_counters", "INSERT INTO scope_messages", "INSERT INTO scope_fanout_outbox",
+              "INSERT INTO scope_message_search_docs")
     async with await signed_in(app, bob) as warm, await signed_in(app, bob) as fresh:
         await warm.call("message.send", scope_id=channel["id"], content="warm the actor and the cache", **ws)
-        for conn, proof_checked in ((fresh, False), (warm, True)):
+        for conn, in_transaction, proof_checked in ((fresh, False, False), (warm, True, True), (warm, False, True)):
             captured, capturing = _actor_statements(app, monkeypatch)
             with capturing:
                 await conn.call("message.send", scope_id=channel["id"], content="ordinary", **ws)
-            assert len(captured) == 2, [s[:90] for s in captured]
+            if in_transaction:
+                assert captured[0] == "BEGIN;" and captured[-1] == "COMMIT;", [s[:90] for s in captured]
+                captured = captured[1:-1]
+            assert len(captured) == (2 if in_transaction else 1), [s[:90] for s in captured]
             assert "FROM workspace_execution_states" in captured[0] and "scope_leases" in captured[0]
             assert ("JOIN accounts a" in captured[0]) == proof_checked
-            assert all(part in captured[-1] for part in (
-                "workspace_message_counters", "INSERT INTO scope_messages", "INSERT INTO scope_fanout_outbox",
-                "INSERT INTO scope_message_search_docs"))
+            assert all(part in captured[-1] for part in writes)
