@@ -97,7 +97,8 @@ from typing import Any  # noqa: E402
 
 import asyncpg  # noqa: E402
 
-from bench.common import CLK_TCK, machine_cpu_s, machine_info, parent_pid, percentile, spread  # noqa: E402
+from bench.common import (CLK_TCK, machine_cpu_s, machine_info, parent_pid, percentile,  # noqa: E402
+                          pg_statements_top, spread)
 from bench.fanout import wait_for_quiet  # noqa: E402
 from bench.procs import Procs, raise_nofile, spawn  # noqa: E402
 from client.asyncio_client import AsyncioConnection, connect  # noqa: E402
@@ -608,23 +609,6 @@ async def broadcast_run(op: AsyncioConnection, events: OperatorEvents, account_i
     if statements is not None:
         run["pg_stat_statements_top"] = statements
     return run
-
-
-async def pg_statements_top(pg: asyncpg.Connection, limit: int = 30) -> list[dict[str, Any]]:
-    """The run's costliest statements (execution and planning time), all of them summed first."""
-    rows = await pg.fetch(
-        "SELECT calls, plans, round(total_exec_time::numeric, 1) AS total_ms, round(mean_exec_time::numeric, 3) "
-        "AS mean_ms, round(total_plan_time::numeric, 1) AS plan_ms, rows, "
-        "left(regexp_replace(query, '\\s+', ' ', 'g'), 220) AS query FROM pg_stat_statements "
-        "WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database()) "
-        "ORDER BY total_exec_time + total_plan_time DESC LIMIT $1", limit)
-    total = await pg.fetchrow(
-        "SELECT sum(calls) AS calls, round(sum(total_exec_time)::numeric, 1) AS total_ms, "
-        "round(sum(total_plan_time)::numeric, 1) AS plan_ms FROM pg_stat_statements "
-        "WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())")
-    return [{"query": "(all statements)", "calls": int(total["calls"] or 0),
-             "total_ms": float(total["total_ms"] or 0), "plan_ms": float(total["plan_ms"] or 0)}] + [
-        {k: (float(v) if k.endswith("_ms") else v) for k, v in dict(r).items()} for r in rows]
 
 
 def _minus(a: int | None, b: int | None) -> float | None:

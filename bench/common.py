@@ -172,6 +172,23 @@ def admin(dsn: str, fn: Callable[[asyncpg.Connection], Awaitable[Any]]) -> Any:
     return asyncio.run(main())
 
 
+async def pg_statements_top(pg: asyncpg.Connection, limit: int = 30) -> list[dict[str, Any]]:
+    """The run's costliest statements (execution and planning time), all of them summed first."""
+    rows = await pg.fetch(
+        "SELECT calls, plans, round(total_exec_time::numeric, 1) AS total_ms, round(mean_exec_time::numeric, 3) "
+        "AS mean_ms, round(total_plan_time::numeric, 1) AS plan_ms, rows, "
+        "left(regexp_replace(query, '\\s+', ' ', 'g'), 220) AS query FROM pg_stat_statements "
+        "WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database()) "
+        "ORDER BY total_exec_time + total_plan_time DESC LIMIT $1", limit)
+    total = await pg.fetchrow(
+        "SELECT sum(calls) AS calls, round(sum(total_exec_time)::numeric, 1) AS total_ms, "
+        "round(sum(total_plan_time)::numeric, 1) AS plan_ms FROM pg_stat_statements "
+        "WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())")
+    return [{"query": "(all statements)", "calls": int(total["calls"] or 0),
+             "total_ms": float(total["total_ms"] or 0), "plan_ms": float(total["plan_ms"] or 0)}] + [
+        {k: (float(v) if k.endswith("_ms") else v) for k, v in dict(r).items()} for r in rows]
+
+
 def machine_info(packages: tuple[str, ...]) -> dict[str, Any]:
     cpu_model = None
     with contextlib.suppress(OSError):

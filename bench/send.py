@@ -187,7 +187,7 @@ class TxStats:
 
 
 class TxCounter:
-    """Wraps the units of work `db` runs (`transaction`, `run` and their overlapping forms;
+    """Wraps the units of work `db` runs (`transaction`, `run`, `run_overlapping`;
     on the instance: callers look them up per call) to count, into `self.stats` while it
     is set, the units each side runs by function name, the actor's batch sizes and the time
     spent in each kind.  A scope actor's batch is `_write_batch`: one statement or one
@@ -197,8 +197,7 @@ class TxCounter:
         self.stats: TxStats | None = None
         for method in ("transaction", "run"):
             setattr(db, method, self._counted(getattr(db, method)))
-        for method in ("transaction_overlapping", "run_overlapping"):
-            setattr(db, method, self._counted(getattr(db, method), overlapping=True))
+        db.run_overlapping = self._counted(db.run_overlapping, overlapping=True)  # type: ignore[method-assign]
 
     def _counted(self, original: Callable[..., Awaitable[Any]], *,
                  overlapping: bool = False) -> Callable[..., Awaitable[Any]]:

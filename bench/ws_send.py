@@ -68,7 +68,8 @@ from actors.inline_settler import InlineSettler  # noqa: E402
 from actors.registry import ScopeRegistry  # noqa: E402
 from actors.scope_actor import Send  # noqa: E402
 from bench import send as send_bench  # noqa: E402
-from bench.common import admin, machine_info, percentile, proc_cpu_s, process_tree_cpu_seconds  # noqa: E402
+from bench.common import (admin, machine_info, percentile, pg_statements_top, proc_cpu_s,  # noqa: E402
+                          process_tree_cpu_seconds)
 from bench.fanout import client_frame  # noqa: E402
 from domain.plan import CommittedMessage, MessageIntent  # noqa: E402
 from server.credentials import API_KEY_PREFIX, generate_secret, secret_hash  # noqa: E402
@@ -453,6 +454,8 @@ def run_websocket(fx: Fixture, args: argparse.Namespace, pool: PoolSettings, scr
                             f"{tag}-{shape}-warm", rate)
             _drive(warm, server.pid, pg_pid, url)
             procs = _clients(url, plan, args, scratch, f"{tag}-{shape}", rate)
+            if args.pg_stat_statements:
+                admin(fx.sends.dsn, lambda conn: conn.execute("SELECT pg_stat_statements_reset()"))
             reports, cpu = _drive(procs, server.pid, pg_pid, url)
             acked = sum(r["acked"] for r in reports)
             latencies = sorted(x for r in reports for x in r["latencies_ms"])
@@ -471,6 +474,8 @@ def run_websocket(fx: Fixture, args: argparse.Namespace, pool: PoolSettings, scr
                 "clients_cpu_us_per_send": round(cpu["clients_cpu_s"] / acked * 1e6, 1) if acked else None,
                 "server_batches": cpu["batches"],
             }
+            if args.pg_stat_statements:
+                out[shape]["pg_stat_statements_top"] = admin(fx.sends.dsn, lambda conn: pg_statements_top(conn, 12))
     finally:
         server.terminate()
         server.wait(30)
@@ -537,11 +542,20 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     try:
         log(f"starting a durable PostgreSQL in {data_dir} ...")
         cluster.start()
+        if args.pg_stat_statements:  # diagnostic: preloading the library needs a restart
+            for statement in ("ALTER SYSTEM SET shared_preload_libraries = 'pg_stat_statements'",
+                              "ALTER SYSTEM SET pg_stat_statements.track_planning = on"):
+                admin(cluster.dsn("postgres"), lambda conn: conn.execute(statement))
+            cluster.stop()
+            cluster.start()
         # The physical floor under a durable send's latency: one 8 KiB write + fdatasync there.
         fsync_probe = send_bench._fdatasync_probe(data_dir)
         admin_dsn = cluster.dsn("postgres")
         template = "scopewire_ws_send"
         admin(admin_dsn, lambda conn: conn.execute(f"CREATE DATABASE {template}"))
+        if args.pg_stat_statements:  # in the template: every clone has it
+            admin(send_bench._with_database(admin_dsn, template),
+                  lambda conn: conn.execute("CREATE EXTENSION pg_stat_statements"))
         pg_info = admin(send_bench._with_database(admin_dsn, template), send_bench._server_info)
         pg_pid = pg_info["postmaster_pid"]
         meter = send_bench.CpuMeter(pg_pid)
@@ -593,6 +607,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                              "is its own default)")
     p.add_argument("--repeats", type=int, default=3, help="repeats (3)")
     p.add_argument("--quick", action="store_true", help="a smoke run: 1 repeat, 3 s per shape, 10 senders")
+    p.add_argument("--pg-stat-statements", action="store_true",
+                   help="diagnostic: preload pg_stat_statements (track_planning on) and record the WebSocket "
+                        "side's top statements per shape (costs PostgreSQL CPU: not for records)")
     p.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help=f"JSON output ({DEFAULT_OUTPUT})")
     args = p.parse_args(argv)
     if args.quick:

@@ -264,15 +264,10 @@ class Database:
         """Run `fn(conn, *args, **kwargs)` inside one transaction (committed if fn returns)."""
         return await self._submit(fn, args, kwargs, "transaction")
 
-    async def transaction_overlapping(self, meanwhile: Callable[[], None], fn: UnitOfWork[T], *args: Any,
-                                      **kwargs: Any) -> T:
-        """Like `transaction`, and run `meanwhile()` on this thread once the unit
-        is handed over: CPU work here overlaps the database's work there."""
-        return await self._submit(fn, args, kwargs, "transaction", meanwhile)
-
     async def run_overlapping(self, meanwhile: Callable[[], None], fn: UnitOfWork[T], *args: Any,
                               **kwargs: Any) -> T:
-        """Like `run`, overlapped with `meanwhile()` as `transaction_overlapping` is."""
+        """Like `run`, and run `meanwhile()` on this thread once the unit is handed
+        over: CPU work here overlaps the database's work there."""
         return await self._submit(fn, args, kwargs, "connection", meanwhile)
 
     async def on_loop(self, fn: Callable[[], Awaitable[T]]) -> T:

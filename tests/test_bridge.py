@@ -76,13 +76,13 @@ async def test_overlapping_work_runs_while_the_unit_is_in_flight(db: Database):
             raise AssertionError("meanwhile did not run during the unit")
         return await conn.fetchval("SELECT 7")
 
-    assert await db.transaction_overlapping(handed_over.set, unit) == 7
+    assert await db.run_overlapping(handed_over.set, unit) == 7
 
     def failing() -> None:
         raise ValueError("boom")
 
     # A failure of the overlapping work does not abandon the unit.
-    assert await db.transaction_overlapping(failing, _one) == 1
+    assert await db.run_overlapping(failing, _one) == 1
 
 
 async def test_query_errors_surface_as_asyncpg_errors(db: Database):
