@@ -55,8 +55,8 @@ def parse_routing_tokens(
 
     Raises TooManyRoutingTokens when there are more than MAX_ROUTING_TOKENS.
     """
-    if mode in (MentionMode.MULTI_FORWARD, MentionMode.EXPLICIT_CONTEXT):
-        return ()
+    if mode in (MentionMode.MULTI_FORWARD, MentionMode.EXPLICIT_CONTEXT) or "@" not in content:
+        return ()  # every token starts with "@": most messages skip the block and span scan
     first_by_handle: dict[str, RoutingToken] = {}
     for start, end in _live_ranges(content):
         for token in _tokens_in(content, start, end):
