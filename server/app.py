@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -43,6 +44,7 @@ from server.limits import ConnectionAdmission, KeyedRateLimiter, TokenBucket, wa
 from server import transport
 from server.attachments import Attachments
 from server.cluster import ClusterNode, link_key
+from server.parking import ParkingLot
 from server.auth import Authenticator, CachedContext
 from server.config import ServerConfig
 from server.context import Principal
@@ -194,6 +196,8 @@ class Server:
     # stays in the allocator's arenas.  Measured at 1,000 subscribed connections (bench/
     # fanout.py): 14.7 KiB of server RSS per connection without this, 10.2 with it.
     subscribe_slots: trio.Semaphore = field(init=False)
+    # Idle authenticated connections, waiting without a task (server/parking.py).
+    parking: ParkingLot = field(init=False)
     admission: ConnectionAdmission = field(init=False)
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     accepting: bool = False  # listeners up and not shutting down (/readyz)
@@ -206,6 +210,7 @@ class Server:
 
     def __post_init__(self) -> None:
         self.subscribe_slots = trio.Semaphore(self.db.settings.max_size)
+        self.parking = ParkingLot(self._resume)
         self.admission = ConnectionAdmission(
             max_connections=self.config.max_connections,
             max_unauthenticated=self.config.max_unauthenticated_connections,
@@ -286,6 +291,7 @@ class Server:
         async with trio.open_nursery() as handlers_nursery:
             # Connection tasks, and the short-lived flush and replay tasks of connections.
             self.spawn = handlers_nursery.start_soon
+            await handlers_nursery.start(self.parking.run)
             listeners: list[trio.SocketListener] = []
             probe_listeners: list[trio.SocketListener] = []
             try:
@@ -342,22 +348,33 @@ class Server:
             connection = Connection(ws=ws, address=address,
                                     command_bucket=TokenBucket(self.config.commands_per_second,
                                                                self.config.command_burst))
-            logs.connection_id.set(connection.id)  # on every log line of this task and the tasks it starts
             self.connections.add(connection)
-            try:
-                await self._serve_connection(connection, auth_deadline)
-            except ConnectionClosed:
-                pass
-            except Exception:  # one broken connection must never take the server down
-                log.exception("connection failed", extra={"connection": connection.id})
-            finally:
+        finally:
+            if connection is None:
+                self.admission.release(address, authenticated=False)
+        await self._serve_until_parked_or_closed(connection, auth_deadline)
+
+    def _resume(self, connection: Connection) -> None:
+        """A parked connection has input, a deadline or a close: serve it in a task again."""
+        self.spawn(self._serve_until_parked_or_closed, connection, math.inf, name=transport.CONNECTION_TASK_NAME)
+
+    async def _serve_until_parked_or_closed(self, connection: Connection, auth_deadline: float) -> None:
+        logs.connection_id.set(connection.id)  # on every log line of this task and the tasks it starts
+        parked = False
+        try:
+            parked = await self._serve_connection(connection, auth_deadline)
+        except ConnectionClosed:
+            pass
+        except Exception:  # one broken connection must never take the server down
+            log.exception("connection failed", extra={"connection": connection.id})
+        finally:
+            if not parked:
                 if connection.push is not None:
                     connection.push.stop()
                 release_feeds(self, connection)
                 self.connections.remove(connection)
-                ws.abort()
-        finally:
-            self.admission.release(address, authenticated=connection is not None and connection.principal is not None)
+                connection.ws.abort()
+                self.admission.release(connection.address, authenticated=connection.principal is not None)
 
     async def _plain_http(self, method: str, target: str) -> bytes | None:
         self.http_in_flight += 1
@@ -385,14 +402,22 @@ class Server:
         finally:
             self.probe_admission.release(address, authenticated=False)
 
-    async def _serve_connection(self, connection: Connection, auth_deadline: float) -> None:
+    async def _serve_connection(self, connection: Connection, auth_deadline: float) -> bool:
+        """Answer the connection's commands until it closes (False) or, idle and
+        authenticated, is parked (True: its task ends, server/parking.py)."""
         ws = connection.ws
         while True:
             # Each connection waits on its own deadline: the idle timeout holds to
             # the moment whatever the heartbeat interval (pongs do not count).
             idle_deadline = connection.last_inbound + self.config.idle_timeout_seconds
-            raw = await ws.receive(min(idle_deadline, auth_deadline) if connection.principal is None
-                                   else idle_deadline)
+            if connection.principal is None:
+                raw = await ws.receive(min(idle_deadline, auth_deadline))
+            else:
+                park_at = trio.current_time() + self.config.park_after_idle_seconds
+                raw = await ws.receive(min(idle_deadline, park_at))
+                if (raw is None and not ws.closing and trio.current_time() < idle_deadline
+                        and self.parking.park(connection, idle_deadline)):
+                    return True
             if raw is None:
                 if connection.principal is None and trio.current_time() >= auth_deadline:
                     await connection.send(error_frame(ProtocolError(ErrorCode.UNAUTHENTICATED,
@@ -401,7 +426,7 @@ class Server:
                 else:
                     ws.close_soon(frames.CLOSE_IDLE, "idle timeout")
                 await self._drain_until_closed(ws)
-                return
+                return False
             connection.last_inbound = trio.current_time()
             if not connection.command_bucket.take():
                 await connection.send(self._rate_limited(raw, connection.binary))
@@ -427,7 +452,7 @@ class Server:
                     ws.close_soon(frames.CLOSE_REVOKED, reason)
             if ws.closing:
                 await self._drain_until_closed(ws)
-                return
+                return False
             # A client pipelining commands must not starve the others.
             await trio.lowlevel.checkpoint()
 

@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
             ("--shutdown-grace", "SHUTDOWN_GRACE", "5", "seconds clients get to answer the close frame at shutdown"),
             ("--idle-timeout", "IDLE_TIMEOUT", "600", "seconds without a client frame before closing (4400)"),
             ("--heartbeat", "HEARTBEAT", "30", "seconds between server pings"),
+            ("--park-after-idle", "PARK_AFTER_IDLE", "0",
+             "seconds an authenticated connection waits for input in a task of its own before it "
+             "waits without one (memory per idle connection; 0: as soon as no input waits)"),
             ("--heartbeat-timeout", "HEARTBEAT_TIMEOUT", "20", "seconds a ping may go unanswered before aborting"),
             ("--max-frame-bytes", "MAX_FRAME_BYTES", "262144", "largest client message (larger: closed with 1009)"),
             ("--max-subscriptions", "MAX_SUBSCRIPTIONS", "100", "scope subscriptions per connection"),
@@ -243,6 +246,7 @@ def server_config_from(args: argparse.Namespace) -> ServerConfig:
                         command_burst=int(2 * args.commands_per_second),
                         max_connections_per_member=int(args.max_connections_per_member),
                         idle_timeout_seconds=args.idle_timeout, heartbeat_seconds=args.heartbeat,
+                        park_after_idle_seconds=args.park_after_idle,
                         heartbeat_timeout_seconds=args.heartbeat_timeout,
                         max_frame_bytes=int(args.max_frame_bytes),
                         max_subscriptions_per_connection=int(args.max_subscriptions),

@@ -73,6 +73,9 @@ class ServerConfig:
     heartbeat_seconds: float = 30.0
     heartbeat_timeout_seconds: float = 20.0
     idle_timeout_seconds: float = 600.0
+    # An authenticated connection this long without input waits without a task of its
+    # own (server/parking.py): memory per idle connection.  0: as soon as no input waits.
+    park_after_idle_seconds: float = 0.0
     # Routed deliveries: an unacked handout is sent again after this long; unacked
     # deliveries older than the retention expire (routed history is not an unbounded queue).
     delivery_lease_seconds: float = 60.0

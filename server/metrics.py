@@ -145,6 +145,8 @@ class _ServerCollector(Collector):
             (["http"], server.http_in_flight),
             (["unauthenticated"], max(upgraded - authenticated, 0)),
             (["authenticated"], authenticated)])
+        yield from _gauge("scopewire_connections_parked", "Authenticated connections idle without a task of "
+                          "their own (--park-after-idle)", len(server.parking))
 
         commands = CounterMetricFamily("scopewire_commands", "Commands answered, by op and outcome (ok or the "
                                        "error code)", labels=["op", "outcome"])

@@ -74,7 +74,8 @@ class WebSocket:
 
     __slots__ = ("_sock", "_parser", "subprotocol", "binary", "_spawn", "_max_message_bytes", "_close_grace",
                  "_out", "_flushing", "_drained", "_parts", "_parts_size", "_closing", "_closed", "_closed_event",
-                 "_close_deadline", "_read_scope", "_read_deadline", "close_code", "awaiting_pong")
+                 "_close_deadline", "_read_scope", "_read_deadline", "close_code", "awaiting_pong",
+                 "unpark_hook")
 
     def __init__(self, sock: socket.socket, parser: FrameParser, subprotocol: str | None, *,
                  spawn: Callable[..., Any], max_message_bytes: int, close_grace: float) -> None:
@@ -98,6 +99,12 @@ class WebSocket:
         self._read_deadline = math.inf
         self.close_code: int | None = None
         self.awaiting_pong = False
+        # Set while the connection is parked without a task (server/parking.py): a
+        # close or abort from elsewhere must start one to finish the connection.
+        self.unpark_hook: Callable[[], None] | None = None
+
+    def fileno(self) -> int:
+        return self._sock.fileno()
 
     # --- writing ---------------------------------------------------------------------------
 
@@ -192,6 +199,8 @@ class WebSocket:
         self._close_deadline = trio.current_time() + self._close_grace
         if self._read_scope is not None:
             self._read_scope.deadline = min(self._read_deadline, self._close_deadline)
+        if self.unpark_hook is not None:
+            self.unpark_hook()
 
     async def close(self, code: int, reason: str = "") -> None:
         """Close and wait (at most the grace period) until the socket is closed."""
@@ -214,6 +223,8 @@ class WebSocket:
         if self.close_code is None:
             self.close_code = CLOSE_ABNORMAL
         self._out = bytearray()
+        if self.unpark_hook is not None:
+            self.unpark_hook()  # while the descriptor is still open: it leaves the parking lot's set
         trio.lowlevel.notify_closing(self._sock)
         self._sock.close()
         self._wake_drained()
@@ -251,24 +262,34 @@ class WebSocket:
             # One cancel scope for both deadlines: the caller's, and the closing
             # handshake's, which close_soon() may set while this waits.
             self._read_deadline = deadline
-            with trio.CancelScope(deadline=min(deadline, self._close_deadline)) as scope:
-                self._read_scope = scope
+            wait_until = min(deadline, self._close_deadline)
+            timed_out = False
+            if wait_until > trio.current_time():
+                with trio.CancelScope(deadline=wait_until) as scope:
+                    self._read_scope = scope
+                    try:
+                        await trio.lowlevel.wait_readable(self._sock)
+                    except trio.ClosedResourceError:
+                        pass
+                self._read_scope = None
+                timed_out = scope.cancelled_caught
+            data = b""
+            if not timed_out and not self._closed:
                 try:
-                    await trio.lowlevel.wait_readable(self._sock)
-                except trio.ClosedResourceError:
+                    data = self._sock.recv(RECV_BYTES)
+                except BlockingIOError:
+                    if wait_until > trio.current_time():
+                        continue
+                    # Due on arrival and nothing has come (what did come is read first:
+                    # a parked connection is resumed to read it, server/parking.py).
+                    timed_out = True
+                except OSError:
                     pass
-            self._read_scope = None
-            if scope.cancelled_caught and not self._closed and trio.current_time() < self._close_deadline:
+            if timed_out and not self._closed and trio.current_time() < self._close_deadline:
                 return None
-            if scope.cancelled_caught or self._closed:
+            if timed_out or self._closed:
                 self.abort()  # the peer did not finish the closing handshake in time
                 raise ConnectionClosed(self.close_code or CLOSE_ABNORMAL)
-            try:
-                data = self._sock.recv(RECV_BYTES)
-            except BlockingIOError:
-                continue
-            except OSError:
-                data = b""
             if self._parser.state is ConnectionState.CLOSED:  # defensive: the handshake is over
                 self.abort()
                 raise ConnectionClosed(self.close_code or CLOSE_ABNORMAL)

@@ -122,6 +122,7 @@ async def test_metrics_move_when_commands_run(app: App, tenants):
     # The scrape itself is a plain HTTP request on the WebSocket port, not a handshake.
     assert value(during, "scopewire_connections", state="http") == 1
     assert value(during, "scopewire_connections", state="handshaking") == 0
+    assert value(during, "scopewire_connections_parked") == 1  # idle between commands: no task (server/parking.py)
     assert value(during, "scopewire_commands_total", op="message.send", outcome="ok") == 5
     assert value(during, "scopewire_commands_total", op="login", outcome="ok") == 1
     assert value(during, "scopewire_commands_total", op="login", outcome="unauthenticated") == 1
@@ -367,6 +368,8 @@ def _tasks(task: trio.lowlevel.Task):
             yield from _tasks(child)
 
 
+# The connection's task is kept while idle (not parked, server/parking.py): the check looks at it.
+@pytest.mark.parametrize("server_config", [{"park_after_idle_seconds": 60.0}], indirect=True)
 async def test_scope_actors_do_not_inherit_the_connection_that_started_them(app: App, tenants):
     """An actor is started by whichever connection first writes to its scope;
     its log lines must not carry that connection's (or request's) ids."""
