@@ -212,7 +212,22 @@ class Database:
         try:
             loop.run_forever()
         finally:
-            loop.close()
+            try:
+                self._finish_leftover_tasks(loop)
+            finally:
+                loop.close()
+
+    @staticmethod
+    def _finish_leftover_tasks(loop: asyncio.AbstractEventLoop) -> None:
+        # A task still pending when the loop stops (a LISTEN keeper whose owner was
+        # cancelled before its exit ran) would be destroyed later by the garbage
+        # collector, logging an error into whatever runs then; end it here instead.
+        leftover = asyncio.all_tasks(loop)
+        for task in leftover:
+            task.cancel()
+        if leftover:
+            loop.run_until_complete(asyncio.wait(leftover, timeout=5))
+        loop.run_until_complete(loop.shutdown_asyncgens())
 
     async def _stop_thread(self) -> None:
         assert self._loop is not None and self._thread is not None

@@ -325,3 +325,19 @@ async def test_units_beyond_the_pool_wait_their_turn_in_order_and_can_be_cancell
         waiters = [index for index in started if index >= 2]
         assert waiters == [2, 3, 4]
         assert database.units_waiting_for_connection == 0
+
+
+async def test_a_listener_left_open_ends_with_the_bridge_without_a_destroyed_task(database_dsn: str, caplog):
+    """A LISTEN keeper whose owner never exited (cancelled first) is ended when the bridge
+    stops, not destroyed pending later by the garbage collector, which would log an error
+    into whatever runs then."""
+    import gc
+
+    database = Database(database_dsn)
+    await database.start()
+    listener = database.listen("left_open")
+    await listener.__aenter__()
+    await database.aclose()
+    del listener
+    gc.collect()
+    assert [r.getMessage() for r in caplog.records if "destroyed" in r.getMessage()] == []
