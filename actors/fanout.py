@@ -59,7 +59,7 @@ class Sink(Protocol):
         """Write admitted frames, in order."""
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Subscription:
     member_id: str
     sink: Sink

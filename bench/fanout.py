@@ -126,6 +126,7 @@ TARGET_RATIO = 1.0
 TARGET_P99_MS = 25.0
 TARGET_P99_AT = (1000, 500.0)
 TARGET_KIB_PER_CONN = 16.0
+TARGET_KIB_PER_SUBSCRIBED_CONN = 8.0  # issue 11, goal 4
 
 
 def make_content(ts_ns: int, size: int) -> str:
@@ -1351,6 +1352,11 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                               f"({row['subscribers']} connections, {row['rate']:g} msg/s run)", "value": kib,
                     "unit": "KiB",
                     "met": kib is not None and kib <= TARGET_KIB_PER_CONN})
+        kib = s["kib_per_conn_subscribed"] if s else None
+        out.append({"target": f"scopewire RSS <= {TARGET_KIB_PER_SUBSCRIBED_CONN:g} KiB per idle subscribed connection "
+                              f"({row['subscribers']} connections, {row['rate']:g} msg/s run)", "value": kib,
+                    "unit": "KiB",
+                    "met": kib is not None and kib <= TARGET_KIB_PER_SUBSCRIBED_CONN})
     return out
 
 
@@ -1619,6 +1625,7 @@ def main(argv: list[str] | None = None) -> int:
                         "ceiling_cpu_ratio": TARGET_CEILING_CPU_RATIO,
                         "p99_at": {"subscribers": TARGET_P99_AT[0], "rate": TARGET_P99_AT[1]},
                         "kib_per_idle_authenticated_connection": TARGET_KIB_PER_CONN,
+                        "kib_per_idle_subscribed_connection": TARGET_KIB_PER_SUBSCRIBED_CONN,
                         "results": verdicts,
                         "all_met": all(v["met"] for v in verdicts if v["met"] is not None)},
             "summary": rows,

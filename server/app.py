@@ -40,7 +40,7 @@ from server.ops.collaboration import run_collaborator_maintenance
 from server.ops.platform import run_platform
 from server.ops.service_accounts import AudienceReconciler
 from server.ops.service_accounts import run_maintenance as run_service_account_maintenance
-from server.limits import ConnectionAdmission, KeyedRateLimiter, TokenBucket, warn_if_descriptors_short
+from server.limits import ConnectionAdmission, KeyedRateLimiter, Slots, TokenBucket, warn_if_descriptors_short
 from server import transport
 from server.attachments import Attachments
 from server.cluster import ClusterNode, link_key
@@ -95,6 +95,8 @@ class Connection:
     workspaces: set[str] | None = None
     # The context its message.send requests are served from (server/auth.CachedContext).
     cached_context: CachedContext | None = None
+    # Set while it holds a turn of the parking lot's woken connections (server/parking.py).
+    turn_done: Callable[[], None] | None = None
 
     def acted_in(self, workspace_id: str) -> None:
         if self.workspaces is None:
@@ -113,7 +115,14 @@ class Connection:
 
     async def send(self, frame: Any) -> None:
         binary = self.ws.binary
-        await self.ws.send(server_frame(encode(frame, binary=binary), binary=binary))
+        # A turn never covers waiting for the client to read.
+        await self.ws.send(server_frame(encode(frame, binary=binary), binary=binary),
+                           before_waiting=None if self.turn_done is None else self.give_turn_back)
+
+    def give_turn_back(self) -> None:
+        done, self.turn_done = self.turn_done, None
+        if done is not None:
+            done()
 
 
 def _identity(principal: Principal) -> tuple:
@@ -195,7 +204,7 @@ class Server:
     # reaches it, and that burst, freed between the subscriptions' long-lived objects,
     # stays in the allocator's arenas.  Measured at 1,000 subscribed connections (bench/
     # fanout.py): 14.7 KiB of server RSS per connection without this, 10.2 with it.
-    subscribe_slots: trio.Semaphore = field(init=False)
+    subscribe_slots: Slots = field(init=False)
     # Idle authenticated connections, waiting without a task (server/parking.py).
     parking: ParkingLot = field(init=False)
     admission: ConnectionAdmission = field(init=False)
@@ -209,8 +218,8 @@ class Server:
         max_unauthenticated_per_address=PROBE_MAX_CONNECTIONS))
 
     def __post_init__(self) -> None:
-        self.subscribe_slots = trio.Semaphore(self.db.settings.max_size)
-        self.parking = ParkingLot(self._resume)
+        self.subscribe_slots = Slots(self.db.settings.max_size)
+        self.parking = ParkingLot(self._resume, self.config.max_woken_connections)
         self.admission = ConnectionAdmission(
             max_connections=self.config.max_connections,
             max_unauthenticated=self.config.max_unauthenticated_connections,
@@ -356,6 +365,7 @@ class Server:
 
     def _resume(self, connection: Connection) -> None:
         """A parked connection has input, a deadline or a close: serve it in a task again."""
+        connection.turn_done = self.parking.turn_done
         self.spawn(self._serve_until_parked_or_closed, connection, math.inf, name=transport.CONNECTION_TASK_NAME)
 
     async def _serve_until_parked_or_closed(self, connection: Connection, auth_deadline: float) -> None:
@@ -368,6 +378,7 @@ class Server:
         except Exception:  # one broken connection must never take the server down
             log.exception("connection failed", extra={"connection": connection.id})
         finally:
+            connection.give_turn_back()
             if not parked:
                 if connection.push is not None:
                     connection.push.stop()
@@ -404,7 +415,8 @@ class Server:
 
     async def _serve_connection(self, connection: Connection, auth_deadline: float) -> bool:
         """Answer the connection's commands until it closes (False) or, idle and
-        authenticated, is parked (True: its task ends, server/parking.py)."""
+        authenticated, is parked (True: its task ends, server/parking.py).  One the
+        parking lot woke holds a turn until its first command is answered."""
         ws = connection.ws
         while True:
             # Each connection waits on its own deadline: the idle timeout holds to
@@ -413,8 +425,15 @@ class Server:
             if connection.principal is None:
                 raw = await ws.receive(min(idle_deadline, auth_deadline))
             else:
-                park_at = trio.current_time() + self.config.park_after_idle_seconds
+                # A woken connection first reads only what has arrived: a turn never covers a wait.
+                woken = connection.turn_done is not None
+                park_at = trio.current_time() + (0.0 if woken else self.config.park_after_idle_seconds)
                 raw = await ws.receive(min(idle_deadline, park_at))
+                if raw is None and woken:
+                    connection.give_turn_back()
+                    if (self.config.park_after_idle_seconds > 0 and not ws.closing
+                            and trio.current_time() < idle_deadline):
+                        continue  # no whole message yet: the rest is awaited here, through the grace
                 if (raw is None and not ws.closing and trio.current_time() < idle_deadline
                         and self.parking.park(connection, idle_deadline)):
                     return True
@@ -440,6 +459,7 @@ class Server:
                     logs.request_id.set(None)
                     logs.request_op.set(None)
             raw = None  # the command's text is not kept while the connection idles
+            connection.give_turn_back()
             if connection.closing:
                 ws.close_soon(frames.CLOSE_REVOKED, "sessions revoked")
             elif connection.recheck_after_reply:

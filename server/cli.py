@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
             ("--park-after-idle", "PARK_AFTER_IDLE", "0",
              "seconds an authenticated connection waits for input in a task of its own before it "
              "waits without one (memory per idle connection; 0: as soon as no input waits)"),
+            ("--max-woken-connections", "MAX_WOKEN_CONNECTIONS", "128",
+             "parked connections served at once; one woken by input beyond this waits its turn "
+             "until a served one has answered its first command or parked again (memory in a reconnect storm)"),
             ("--heartbeat-timeout", "HEARTBEAT_TIMEOUT", "20", "seconds a ping may go unanswered before aborting"),
             ("--max-frame-bytes", "MAX_FRAME_BYTES", "262144", "largest client message (larger: closed with 1009)"),
             ("--max-subscriptions", "MAX_SUBSCRIPTIONS", "100", "scope subscriptions per connection"),
@@ -202,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
                                     or not 1 <= args.search_candidate_budget <= 100_000):
         parser.error("--max-attachment-bytes, --max-unclaimed-uploads and --unclaimed-upload-ttl must be positive, "
                      "--search-candidate-budget 1-100000")
+    if args.command == "serve" and args.max_woken_connections < 1:
+        parser.error("--max-woken-connections must be at least 1")
     if args.command == "serve" and not 1 <= args.service_account_audience_batch <= 10_000:
         parser.error("--service-account-audience-batch must be between 1 and 10000")
     if args.command == "serve" and (not 1 <= args.platform_delivery_concurrency <= 1000
@@ -247,6 +252,7 @@ def server_config_from(args: argparse.Namespace) -> ServerConfig:
                         max_connections_per_member=int(args.max_connections_per_member),
                         idle_timeout_seconds=args.idle_timeout, heartbeat_seconds=args.heartbeat,
                         park_after_idle_seconds=args.park_after_idle,
+                        max_woken_connections=int(args.max_woken_connections),
                         heartbeat_timeout_seconds=args.heartbeat_timeout,
                         max_frame_bytes=int(args.max_frame_bytes),
                         max_subscriptions_per_connection=int(args.max_subscriptions),

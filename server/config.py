@@ -76,6 +76,9 @@ class ServerConfig:
     # An authenticated connection this long without input waits without a task of its
     # own (server/parking.py): memory per idle connection.  0: as soon as no input waits.
     park_after_idle_seconds: float = 0.0
+    # Parked connections served at once (server/parking.py): a woken one beyond this
+    # waits its turn, its input in the kernel's socket buffer.  Memory in a reconnect storm.
+    max_woken_connections: int = 128
     # Routed deliveries: an unacked handout is sent again after this long; unacked
     # deliveries older than the retention expire (routed history is not an unbounded queue).
     delivery_lease_seconds: float = 60.0

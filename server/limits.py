@@ -7,6 +7,7 @@ default, so tests can drive them with trio's MockClock).
   account and per source address.
 * ConnectionAdmission: caps on connections in all, on those not yet
   authenticated, and on those not yet authenticated from one address.
+* Slots: at most N holders at once, the rest waiting in order.
 """
 
 from __future__ import annotations
@@ -239,3 +240,49 @@ class ConnectionAdmission:
                 "connections": self.total, "unauthenticated": self.unauthenticated})
             self._refused_unlogged = 0
             self._next_log = now + self.log_interval
+
+
+class Slots:
+    """`async with slots:` — at most `size` holders at once, the others waiting in
+    arrival order; a released slot passes straight to the longest waiter.
+
+    trio.Semaphore would do, but its waiters wait inside `except WouldBlock`, each
+    keeping that exception and its traceback alive (~1.9 KB): a reconnect storm queues
+    thousands of subscribes here, and that burst, freed between the subscriptions'
+    long-lived objects, stays in the allocator's arenas as RSS."""
+
+    __slots__ = ("_free", "_waiting")
+
+    def __init__(self, size: int) -> None:
+        self._free = size
+        self._waiting = trio.lowlevel.ParkingLot()
+
+    async def __aenter__(self) -> None:
+        if self._free and not self._waiting:
+            await trio.lowlevel.checkpoint_if_cancelled()
+            self._free -= 1
+            await trio.lowlevel.cancel_shielded_checkpoint()
+        else:
+            await self._waiting.park()  # woken holding the slot its releaser passed on
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.release()
+
+    def acquire_nowait(self) -> None:
+        if not self._free or self._waiting:
+            raise trio.WouldBlock
+        self._free -= 1
+
+    def release(self) -> None:
+        if self._waiting:
+            self._waiting.unpark()
+        else:
+            self._free += 1
+
+    @property
+    def free(self) -> int:
+        return self._free
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)

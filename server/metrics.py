@@ -147,6 +147,8 @@ class _ServerCollector(Collector):
             (["authenticated"], authenticated)])
         yield from _gauge("scopewire_connections_parked", "Authenticated connections idle without a task of "
                           "their own (--park-after-idle)", len(server.parking))
+        yield from _gauge("scopewire_connections_waiting_turn", "Parked connections woken by input, waiting "
+                          "for a turn to be served (--max-woken-connections)", server.parking.waiting_turn)
 
         commands = CounterMetricFamily("scopewire_commands", "Commands answered, by op and outcome (ok or the "
                                        "error code)", labels=["op", "outcome"])

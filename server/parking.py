@@ -9,6 +9,14 @@ pong, the peer's close), the connection's deadline (idle timeout) or a close or
 abort from another task (`WebSocket.unpark_hook`) starts a fresh task that serves
 it from where it left off.  Writes never needed the task: pushes and pings go
 straight to the socket.
+
+At most `max_woken` woken connections are served at once: a reconnect storm's
+thousands of commands would otherwise each hold a task, its frames and a queued
+database unit together, and that burst, freed between the connections' long-lived
+objects, stays in the allocator's arenas as RSS.  Beyond that a woken connection
+waits its turn (its input stays in the kernel's socket buffer) until a served one
+gives its turn back: when it has answered its first command, has nothing whole
+to read, parks again or closes.  A turn never covers waiting for a client.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import heapq
 import itertools
 import math
 import select
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -27,10 +36,14 @@ _READY = select.EPOLLIN | select.EPOLLRDHUP | select.EPOLLERR | select.EPOLLHUP
 
 class ParkingLot:
     """One node's parked connections: `park`, and `run` wakes each one into
-    `resume(connection)` (called on the trio thread, once per parking)."""
+    `resume(connection)` (called on the trio thread, once per parking) when it has
+    a turn; the resumed task calls `turn_done()` once."""
 
-    def __init__(self, resume: Callable[[Any], None]) -> None:
+    def __init__(self, resume: Callable[[Any], None], max_woken: int) -> None:
         self._resume = resume
+        self._max_woken = max_woken
+        self.woken = 0  # resumed connections that have not given their turn back
+        self._waiting_turn: deque[Any] = deque()
         self._epoll = select.epoll()
         # fd -> (connection, parking number): the number tells a heap entry of an
         # earlier parking of the same connection (or of a reused fd) from this one.
@@ -39,9 +52,16 @@ class ParkingLot:
         self._numbers = itertools.count()
         self._wait: trio.CancelScope | None = None
         self._running = False
+        # Every parked WebSocket's hook: one bound method, not a closure per connection.
+        self._unpark_hook = self._unpark
 
     def __len__(self) -> int:
-        return len(self._parked)
+        """Connections waiting without a task: parked, or woken and waiting their turn."""
+        return len(self._parked) + len(self._waiting_turn)
+
+    @property
+    def waiting_turn(self) -> int:
+        return len(self._waiting_turn)
 
     def park(self, connection: Any, deadline: float) -> bool:
         """Hold `connection` (its task ends on True) until its socket is readable,
@@ -54,12 +74,17 @@ class ParkingLot:
         number = next(self._numbers)
         self._epoll.register(fd, _READY | select.EPOLLONESHOT)
         self._parked[fd] = (connection, number)
-        ws.unpark_hook = lambda: self._wake(fd, number)
+        ws.unpark_hook = self._unpark_hook
         if deadline < math.inf:
             heapq.heappush(self._deadlines, (deadline, number, fd))
             if self._wait is not None and deadline < self._wait.deadline:
                 self._wait.deadline = deadline
         return True
+
+    def _unpark(self, ws: Any) -> None:
+        parked = self._parked.get(ws.fileno())
+        if parked is not None and parked[0].ws is ws:
+            self._wake(ws.fileno(), parked[1])
 
     def _wake(self, fd: int, number: int) -> None:
         parked = self._parked.get(fd)
@@ -72,7 +97,18 @@ class ParkingLot:
             self._epoll.unregister(fd)
         except (OSError, ValueError):
             pass  # already closed: nothing left to unregister
-        self._resume(connection)
+        if self.woken < self._max_woken or not self._running:
+            self.woken += 1
+            self._resume(connection)
+        else:
+            self._waiting_turn.append(connection)
+
+    def turn_done(self) -> None:
+        """A resumed connection's task gives its turn back: to the longest waiting."""
+        if self._waiting_turn:
+            self._resume(self._waiting_turn.popleft())
+        else:
+            self.woken -= 1
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         self._running = True
@@ -104,4 +140,7 @@ class ParkingLot:
             # every connection, which follows, then finishes it there).
             for fd, (_, number) in list(self._parked.items()):
                 self._wake(fd, number)
+            while self._waiting_turn:
+                self.woken += 1
+                self._resume(self._waiting_turn.popleft())
             self._epoll.close()

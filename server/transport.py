@@ -101,7 +101,7 @@ class WebSocket:
         self.awaiting_pong = False
         # Set while the connection is parked without a task (server/parking.py): a
         # close or abort from elsewhere must start one to finish the connection.
-        self.unpark_hook: Callable[[], None] | None = None
+        self.unpark_hook: Callable[[WebSocket], None] | None = None
 
     def fileno(self) -> int:
         return self._sock.fileno()
@@ -167,11 +167,15 @@ class WebSocket:
             self._drained.set()
             self._drained = None
 
-    async def send(self, frame: bytes, *, high_water: int = 4 * RECV_BYTES) -> None:
+    async def send(self, frame: bytes, *, high_water: int = 4 * RECV_BYTES,
+                   before_waiting: Callable[[], None] | None = None) -> None:
         """Write one frame, then wait while more than `high_water` bytes are
-        queued: request replies and replays push back on their own client."""
+        queued: request replies and replays push back on their own client.
+        `before_waiting` is called first when it has to wait."""
         if not self.write((frame,)):
             raise ConnectionClosed(self.close_code or CLOSE_ABNORMAL)
+        if before_waiting is not None and len(self._out) > high_water and not self._closed:
+            before_waiting()
         while len(self._out) > high_water and not self._closed:
             if self._drained is None:
                 self._drained = trio.Event()
@@ -200,7 +204,7 @@ class WebSocket:
         if self._read_scope is not None:
             self._read_scope.deadline = min(self._read_deadline, self._close_deadline)
         if self.unpark_hook is not None:
-            self.unpark_hook()
+            self.unpark_hook(self)
 
     async def close(self, code: int, reason: str = "") -> None:
         """Close and wait (at most the grace period) until the socket is closed."""
@@ -224,7 +228,7 @@ class WebSocket:
             self.close_code = CLOSE_ABNORMAL
         self._out = bytearray()
         if self.unpark_hook is not None:
-            self.unpark_hook()  # while the descriptor is still open: it leaves the parking lot's set
+            self.unpark_hook(self)  # while the descriptor is still open: it leaves the parking lot's set
         trio.lowlevel.notify_closing(self._sock)
         self._sock.close()
         self._wake_drained()

@@ -18,6 +18,7 @@ from server.app import Server
 from server.auth import Authenticator
 from server.config import ServerConfig
 from server.credentials import DUMMY_PASSWORD_HASH, SessionSigner, hash_password, verify_password
+from server.limits import Slots
 from storage.bridge import Database, PoolSettings
 from tests.conftest import App, add_person
 from tests.db_faults import hold_table_lock, release_locks, wait_for_query
@@ -259,3 +260,34 @@ def test_an_unknown_email_is_checked_against_a_hash_of_the_same_scrypt_cost():
     real, stand_in = hash_password("a password").split("$"), DUMMY_PASSWORD_HASH.split("$")
     assert stand_in[:4] == real[:4] and len(stand_in[5]) == len(real[5])
     assert not verify_password("", DUMMY_PASSWORD_HASH) and not verify_password("a password", DUMMY_PASSWORD_HASH)
+
+
+async def test_slots_admit_at_most_their_size_in_arrival_order_and_a_cancelled_waiter_takes_none():
+    slots = Slots(2)
+    entered: list[str] = []
+    release = {name: trio.Event() for name in "abcde"}
+
+    async def holder(name: str, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        with trio.CancelScope() as scope:
+            task_status.started(scope)
+            async with slots:
+                entered.append(name)
+                await release[name].wait()
+
+    async with trio.open_nursery() as nursery:
+        for name in "abcde":
+            await nursery.start(holder, name)
+            await trio.testing.wait_all_tasks_blocked()
+        assert entered == ["a", "b"] and slots.free == 0 and slots.waiting == 3
+        sixth = await nursery.start(holder, "x")  # cancelled while it waits
+        await trio.testing.wait_all_tasks_blocked()
+        sixth.cancel()
+        await trio.testing.wait_all_tasks_blocked()
+        assert slots.waiting == 3
+        release["a"].set()
+        await trio.testing.wait_all_tasks_blocked()
+        assert entered == ["a", "b", "c"]
+        for name in "bcde":
+            release[name].set()
+            await trio.testing.wait_all_tasks_blocked()
+    assert entered == ["a", "b", "c", "d", "e"] and slots.free == 2 and slots.waiting == 0

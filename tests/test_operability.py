@@ -123,6 +123,7 @@ async def test_metrics_move_when_commands_run(app: App, tenants):
     assert value(during, "scopewire_connections", state="http") == 1
     assert value(during, "scopewire_connections", state="handshaking") == 0
     assert value(during, "scopewire_connections_parked") == 1  # idle between commands: no task (server/parking.py)
+    assert value(during, "scopewire_connections_waiting_turn") == 0
     assert value(during, "scopewire_commands_total", op="message.send", outcome="ok") == 5
     assert value(during, "scopewire_commands_total", op="login", outcome="ok") == 1
     assert value(during, "scopewire_commands_total", op="login", outcome="unauthenticated") == 1

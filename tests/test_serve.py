@@ -255,7 +255,7 @@ def test_every_limit_flag_reaches_the_server_config(monkeypatch):
              "--idle-timeout": 50, "--heartbeat": 9, "--heartbeat-timeout": 8, "--max-frame-bytes": 5000,
              "--max-subscriptions": 6, "--push-buffer-bytes": 7000, "--push-buffer-events": 11, "--push-timeout": 2,
              "--max-connections": 300, "--max-unauthenticated": 30, "--max-unauthenticated-per-address": 3,
-             "--shutdown-grace": 1.5, "--park-after-idle": 0.25}
+             "--shutdown-grace": 1.5, "--park-after-idle": 0.25, "--max-woken-connections": 9}
     argv = ["serve"] + [str(part) for flag, value in flags.items() for part in (flag, value)]
     config = server_config_from(build_parser().parse_args(argv))
     assert (config.auth_timeout_seconds, config.session_ttl_seconds, config.commands_per_second,
@@ -264,7 +264,7 @@ def test_every_limit_flag_reaches_the_server_config(monkeypatch):
             config.max_subscriptions_per_connection, config.push_buffer_bytes, config.push_buffer_events,
             config.push_timeout_seconds, config.max_connections, config.max_unauthenticated_connections,
             config.max_unauthenticated_per_address, config.shutdown_grace_seconds, config.park_after_idle_seconds,
-            ) == (3, 120, 7, 14, 4, 50, 9, 8, 5000, 6, 7000, 11, 2, 300, 30, 3, 1.5, 0.25)
+            config.max_woken_connections) == (3, 120, 7, 14, 4, 50, 9, 8, 5000, 6, 7000, 11, 2, 300, 30, 3, 1.5, 0.25, 9)
     # And the environment fallback, for one of them.
     monkeypatch.setenv("SCOPEWIRE_PUSH_BUFFER_BYTES", "4096")
     assert server_config_from(build_parser().parse_args(["serve"])).push_buffer_bytes == 4096
