@@ -30,6 +30,29 @@ class CommittedEvent:
     frames: dict[bool, bytes] = field(default_factory=dict, compare=False, repr=False)
 
 
+MESSAGE_CREATED = "message.created"
+
+
+@dataclass(eq=False, slots=True)
+class EventRun:
+    """Consecutive new messages of one scope (seqs first_seq..last_seq without a
+    hole) published together to the same entitled members: most subscribers take
+    the whole run in one step instead of one step per event, and every one of a
+    wire format gets the same bytes (`frames`, built by the first that needs them)."""
+
+    scope_id: str
+    events: list[CommittedEvent]
+    frames: dict[bool, bytes] = field(default_factory=dict)
+
+    @property
+    def first_seq(self) -> int:
+        return self.events[0].seq
+
+    @property
+    def last_seq(self) -> int:
+        return self.events[-1].seq
+
+
 class Roster(frozenset):
     """The members entitled to a scope's events, as of the scope's `roster_generation`
     (None: not the scope's own roster; a task's is its board channel's readers).  Other
@@ -54,6 +77,11 @@ class Sink(Protocol):
     def skip(self, event: CommittedEvent) -> None:
         """An event on a followed workspace that is not for this member (its
         workspace_global_seq is still a step of the feed's sequence)."""
+
+    def admit_run(self, run: EventRun) -> bytes | None:
+        """A run the member is entitled to: its frames in one piece when they all
+        go out now, exactly in order after what this sink sent last; else None,
+        and the hub hands the run's events to admit() one by one."""
 
     def write(self, frames: list[bytes]) -> None:
         """Write admitted frames, in order."""
@@ -139,9 +167,9 @@ class FanoutHub:
         pending: dict[Subscription, list[bytes]] = {}
         single = len(items) == 1
         delivered = delivered_bytes = 0
-        for event, roster in items:
-            self.published += 1
-            entitled = event.audience if event.audience is not None else roster
+        for events, entitled in _runs(items):
+            self.published += len(events)
+            event = events[0]
             by_scope = self._by_scope.get(event.scope_id)
             by_workspace = self._by_workspace.get(event.workspace_id)
             # Copies: a sink may unsubscribe itself (cut off) while we iterate.
@@ -149,23 +177,39 @@ class FanoutHub:
                 targets = list(by_scope | by_workspace)
             else:
                 targets = list(by_scope or by_workspace or ())
+            run = EventRun(event.scope_id, events) if len(events) > 1 else None
             for subscription in targets:
                 if not subscription.active:
                     continue
+                sink = subscription.sink
                 if entitled is not None and subscription.member_id not in entitled:
-                    subscription.sink.skip(event)
+                    for event in events:
+                        sink.skip(event)
                     continue
-                frame = subscription.sink.admit(event)
-                if frame is None:
+                frame = sink.admit_run(run) if run is not None else None
+                if frame is not None:
+                    delivered += len(events)
+                    delivered_bytes += len(frame)
+                    frames = pending.get(subscription)
+                    if frames is None:
+                        pending[subscription] = [frame]
+                    else:
+                        frames.append(frame)
                     continue
-                delivered += 1
-                delivered_bytes += len(frame)
-                if single:
-                    subscription.sink.write([frame])
-                elif subscription in pending:
-                    pending[subscription].append(frame)
-                else:
-                    pending[subscription] = [frame]
+                for event in events:
+                    if not subscription.active:
+                        break  # cut off by the event before
+                    frame = sink.admit(event)
+                    if frame is None:
+                        continue
+                    delivered += 1
+                    delivered_bytes += len(frame)
+                    if single:
+                        sink.write([frame])
+                    elif subscription in pending:
+                        pending[subscription].append(frame)
+                    else:
+                        pending[subscription] = [frame]
         for subscription, frames in pending.items():
             if subscription.active:
                 subscription.sink.write(frames)
@@ -173,3 +217,23 @@ class FanoutHub:
         self.delivered_bytes += delivered_bytes
         if relay and self.relay is not None:
             self.relay(items)
+
+
+def _runs(items: list[tuple[CommittedEvent, frozenset[str] | set[str] | None]]):
+    """The publication as (events, entitled members) runs: consecutive new messages
+    of one scope in seq order with the same entitlement share a run; anything
+    else is a run of one."""
+    run: list[CommittedEvent] = []
+    run_entitled: Any = None
+    for event, roster in items:
+        entitled = event.audience if event.audience is not None else roster
+        if (run and entitled is run_entitled and event.event == MESSAGE_CREATED and event.seq is not None
+                and run[-1].event == MESSAGE_CREATED and run[-1].scope_id == event.scope_id
+                and run[-1].seq is not None and run[-1].seq + 1 == event.seq):
+            run.append(event)
+            continue
+        if run:
+            yield run, run_entitled
+        run, run_entitled = [event], entitled
+    if run:
+        yield run, run_entitled

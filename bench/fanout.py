@@ -960,6 +960,22 @@ async def start_server(side: str, fx: Fixture, args: argparse.Namespace, procs: 
     return proc, url
 
 
+def _actor_batches(url: str) -> dict[str, float]:
+    """The server's committed actor batches so far, from its /metrics (on the WebSocket port)."""
+    import urllib.request
+    parts = urlsplit(url)
+    with urllib.request.urlopen(f"http://{parts.hostname}:{parts.port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    wanted = {"scopewire_actor_batch_size_count": "batches", "scopewire_actor_batch_size_sum": "commands",
+              "scopewire_actor_commit_duration_seconds_sum": "commit_s"}
+    found = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in wanted:
+            found[wanted[name]] = float(value)
+    return found
+
+
 def _cpu_snapshot(server_pid: int, worker_pids: list[int]) -> dict[str, float]:
     kids = descendants(server_pid)
     ru = resource.getrusage(resource.RUSAGE_SELF)
@@ -1037,6 +1053,7 @@ async def one_run(side: str, subscribers: int, rate: float, fx: Fixture, args: a
         gc_file = fx.log_dir / f"{tag}-gc-stats.json" if args.gc_stats and side == "scopewire" else None
         gc0 = read_gc_stats(gc_file)
         cpu0 = _cpu_snapshot(pid, worker_pids)
+        batches0 = await asyncio.to_thread(_actor_batches, url) if side == "scopewire" else None
         wall0 = time.perf_counter()
         spy = None
         if profile:
@@ -1052,6 +1069,15 @@ async def one_run(side: str, subscribers: int, rate: float, fx: Fixture, args: a
                                   give_up=lambda: peak["aborted"])
         wall = time.perf_counter() - wall0
         cpu1 = _cpu_snapshot(pid, worker_pids)
+        if batches0 is not None:
+            # Diagnostic: how many sends each commit (and so each publication) carried.
+            batches1 = await asyncio.to_thread(_actor_batches, url)
+            count = batches1["batches"] - batches0["batches"]
+            run["actor_batches"] = {
+                "batches": int(count),
+                "mean_size": round((batches1["commands"] - batches0["commands"]) / count, 2) if count else None,
+                "mean_commit_ms": round((batches1["commit_s"] - batches0["commit_s"]) / count * 1e3, 2)
+                if count else None}
         gc1 = read_gc_stats(gc_file)
         if gc0 and gc1:
             run["gc"] = {
@@ -1421,6 +1447,10 @@ def print_tables(rows: list[dict[str, Any]], runs: list[dict[str, Any]], args: a
         print(f"{'':>34}CPU busy: server {cpu['server_busy']} postgres/children {cpu['server_descendants_busy']} "
               f"clients {cpu['clients_busy']} {cpu['per_client_busy']} sender {cpu['sender_busy']} "
               f"other processes {cpu['foreign_busy']}")
+        if r.get("actor_batches"):
+            b = r["actor_batches"]
+            print(f"{'':>34}scope actor over the window: {b['batches']} batches, {b['mean_size']} sends each, "
+                  f"commit {b['mean_commit_ms']} ms (means)")
         if r.get("gc"):
             print(f"{'':>34}scopewire GC over the window: collections per generation {r['gc']['collections']}, "
                   f"seconds {r['gc']['seconds']}, {100 * (r['gc']['gc_share_of_process_cpu'] or 0):.1f}% of "

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from actors.fanout import CommittedEvent
+from actors.fanout import MESSAGE_CREATED, CommittedEvent, EventRun
 from domain.plan import CommittedMessage
 from protocol import events
 from protocol import frames as f
@@ -53,7 +53,6 @@ log = logging.getLogger("scopewire.realtime")
 
 BACKFILL_PAGE = 200
 SKIPPED_AHEAD_LIMIT = 256  # feed steps remembered out of order per connection
-MESSAGE_CREATED = "message.created"
 
 
 def _message_data(message: CommittedMessage | object, event: str):
@@ -120,6 +119,19 @@ class PushState:
                 self._replay(event)  # a gap: fill it from the log first
                 return None
         return event.frames.get(self._binary) or shared_frame(event, self._binary)
+
+    def admit_run(self, run: EventRun) -> bytes | None:
+        """The run in one piece when it is exactly what this connection sends next:
+        its scope cursor stands just before the run and nothing else moves with it
+        (no replay, no feed cursor).  Otherwise None: event by event (admit)."""
+        if (self._backlog is not None or self.global_cursor is not None
+                or self.scope_cursors.get(run.scope_id) != run.first_seq - 1):
+            return None
+        self.scope_cursors[run.scope_id] = run.last_seq
+        frames = run.frames.get(self._binary)
+        if frames is None:
+            frames = run.frames[self._binary] = b"".join([shared_frame(e, self._binary) for e in run.events])
+        return frames
 
     def _advance(self, event: CommittedEvent) -> bool | None:
         """Move the cursor over a live message: True (next in order), False (a

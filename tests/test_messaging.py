@@ -470,6 +470,9 @@ class ListSink:
     def admit(self, event) -> None:
         self.events.append(event)
 
+    def admit_run(self, run) -> None:
+        return None  # event by event
+
     def skip(self, event) -> None:
         pass
 
