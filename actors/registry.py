@@ -61,6 +61,26 @@ class Ownership(Protocol):
 actor_seconds: contextvars.ContextVar[float] = contextvars.ContextVar("scopewire_actor_seconds", default=0.0)
 
 
+class SubmitOrder(Protocol):
+    """The place of the current task's command among its connection's pipelined
+    commands (server/pipeline.py): submitted after the one before it."""
+
+    def follows(self, actor: ScopeActor) -> bool:
+        """Whether the command before it was queued in `actor`: queued behind it there
+        (first in, first out), it cannot be taken first."""
+
+    def enqueued(self, actor: ScopeActor) -> None:
+        """It is in `actor`'s mailbox: the connection may read its next command."""
+
+    async def previous_answered(self) -> None:
+        """Wait until the command before it is answered."""
+
+
+# Set in the task of a pipelined command (None otherwise).
+submit_order: contextvars.ContextVar[SubmitOrder | None] = contextvars.ContextVar("scopewire_submit_order",
+                                                                                  default=None)
+
+
 class ScopeRegistry:
     def __init__(self, db: Database, hub: FanoutHub, nursery: trio.Nursery, *, idle_seconds: float = 30.0,
                  outbox_wake: Callable[[], None] | None = None, submit_timeout_seconds: float = 30.0,
@@ -234,19 +254,28 @@ class ScopeRegistry:
                     await trio.sleep(backoff)  # the lease changed hands meanwhile: look again
                     backoff = min(backoff * 2, FORWARD_RETRY_MAX_SECONDS)
                     continue
+                order = submit_order.get()
                 if isinstance(target, ScopeActor):
+                    if order is not None and not order.follows(target):
+                        await order.previous_answered()
                     try:
                         await target.mailbox.send(command)
                     except (trio.ClosedResourceError, trio.BrokenResourceError):
                         continue  # it went idle just now: start a fresh one
+                    if order is not None:
+                        order.enqueued(target)
                     try:
                         return await command.reply.wait()
                     except LeaseLost:
                         if forwarded:
                             raise
                         command.reply = Reply()  # nothing committed: run it at the new owner
+                        if order is not None:  # nor of what was queued behind it: it goes first again
+                            await order.previous_answered()
                         continue
                 assert self.ownership is not None
+                if order is not None:
+                    await order.previous_answered()
                 try:
                     return await self.ownership.forward(target, scope_id, command)
                 except ActorUnavailable:

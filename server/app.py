@@ -35,7 +35,7 @@ from actors.inline_settler import InlineSettler
 from actors.outbox_worker import OutboxWorker
 from actors.platform_account import PlatformRegistry
 from actors.registry import ScopeRegistry, actor_seconds
-from server import handlers, http, logs, messaging
+from server import handlers, http, logs, messaging, pipeline
 from server.ops.collaboration import run_collaborator_maintenance
 from server.ops.platform import run_platform
 from server.ops.service_accounts import AudienceReconciler
@@ -82,7 +82,8 @@ class Connection:
     principal: Principal | None = None
     session_expires_at: float | None = None
     closing: bool = False  # set by a handler: close (4403) after this reply
-    answering: bool = False  # a command is being answered (the socket is not read meanwhile)
+    answering: int = 0  # commands being answered (more than one only when pipelined, server/pipeline.py)
+    pipelining: bool = False  # input was waiting after a message.send was answered
     # A revocation arrived while a command was answered: checked again after its reply.
     recheck_after_reply: bool = False
     push: PushState | None = None
@@ -418,11 +419,14 @@ class Server:
         authenticated, is parked (True: its task ends, server/parking.py).  One the
         parking lot woke holds a turn until its first command is answered."""
         ws = connection.ws
+        unanswered: str | bytes | None = None  # read by a pipeline, not served by it
         while True:
             # Each connection waits on its own deadline: the idle timeout holds to
             # the moment whatever the heartbeat interval (pongs do not count).
             idle_deadline = connection.last_inbound + self.config.idle_timeout_seconds
-            if connection.principal is None:
+            if unanswered is not None:
+                raw, unanswered = unanswered, None
+            elif connection.principal is None:
                 raw = await ws.receive(min(idle_deadline, auth_deadline))
             else:
                 # A woken connection first reads only what has arrived: a turn never covers a wait.
@@ -451,13 +455,20 @@ class Server:
                 await connection.send(self._rate_limited(raw, connection.binary))
                 self.metrics.command_refused(ErrorCode.RATE_LIMITED.value)
             else:
-                connection.answering = True
-                try:
-                    await self._answer_and_reply(connection, raw)
-                finally:
-                    connection.answering = False
-                    logs.request_id.set(None)
-                    logs.request_op.set(None)
+                request = pipeline.decoded(raw, connection.binary)
+                if pipeline.pipelines(connection, request):
+                    unanswered = await pipeline.serve_sends(self, connection, request, raw)
+                else:
+                    connection.answering += 1
+                    try:
+                        await self.answer_and_reply(connection, raw, request)
+                    finally:
+                        connection.answering -= 1
+                        logs.request_id.set(None)
+                        logs.request_op.set(None)
+                    if type(request) is frames.MessageSend and ws.has_input():
+                        connection.pipelining = True
+                request = None
             raw = None  # the command's text is not kept while the connection idles
             connection.give_turn_back()
             if connection.closing:
@@ -490,13 +501,17 @@ class Server:
             request_id = exc.details.get("id")
         return error_frame(ProtocolError(ErrorCode.RATE_LIMITED, "too many commands; slow down"), request_id)
 
-    async def _answer_and_reply(self, connection: Connection, raw: str | bytes) -> None:
-        """Answer one command and write the reply; count it, and log it with its
-        phases when it took longer than slow_command_ms."""
+    async def answer_and_reply(self, connection: Connection, raw: str | bytes, request: frames.Request | None,
+                               *, reply_after: trio.Event | None = None) -> None:
+        """Answer one command (`request`: `raw` decoded, None when it does not
+        decode) and write the reply, once `reply_after` is set; count it, and log
+        it with its phases when it took longer than slow_command_ms."""
         actor_seconds.set(0.0)
         marks = [time.perf_counter()]
-        reply = await self._answer(connection, raw, marks)
+        reply = await self._answer(connection, raw, request, marks)
         marks.append(time.perf_counter())
+        if reply_after is not None:
+            await reply_after.wait()
         await connection.send(reply)
         done = time.perf_counter()
         duration = done - marks[0]
@@ -512,10 +527,12 @@ class Server:
                 "phases_ms": {name: round(seconds * 1000, 1) for name, seconds in phases.items()},
                 "outcome": reply.code if isinstance(reply, frames.Error) else "ok"})
 
-    async def _answer(self, connection: Connection, raw: str | bytes, marks: list[float] | None = None) -> Any:
+    async def _answer(self, connection: Connection, raw: str | bytes, request: frames.Request | None,
+                      marks: list[float] | None = None) -> Any:
         request_id: str | None = None
         try:
-            request = decode_request(raw, binary=connection.binary)
+            if request is None:
+                request = decode_request(raw, binary=connection.binary)  # raises the error to answer
             request_id = request.id
             logs.request_id.set(request_id)
             logs.request_op.set(frames.op_of(request))

@@ -16,7 +16,7 @@ from domain.credentials import StaleCredential
 from protocol import frames as f
 from protocol import results
 from protocol.errors import ErrorCode, ProtocolError
-from server import messaging, realtime
+from server import messaging, pipeline, realtime
 from server.ops import (attachments, collaboration, deliveries, platform, platform_assets, private_agents, search,
                         service_accounts, strands)
 from server import tenancy as ops
@@ -336,6 +336,7 @@ async def _route(server: Server, connection: Connection, request: f.Request) -> 
                         isinstance(exc, ProtocolError) and exc.code in (ErrorCode.INTERNAL, ErrorCode.UNAVAILABLE)):
                     raise
             connection.cached_context = None
+        await pipeline.previous_answered()  # served afresh: not before the sends ahead of it
     workspace, scopes, proof = await server.auth.request_workspace(principal, connection.session_expires_at,
                                                                    request.workspace_id, await server.edition(),
                                                                    scope_id)

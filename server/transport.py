@@ -253,6 +253,22 @@ class WebSocket:
 
     # --- reading ---------------------------------------------------------------------------
 
+    def has_input(self) -> bool:
+        """Whether the client has sent more than has been read (whole or not): a
+        client writing its next commands before the replies come."""
+        if self._parser._events or len(self._parser._proto._frame_decoder.buffer):  # wsproto 1.3 (pinned)
+            return True
+        try:
+            return bool(self._sock.recv(1, socket.MSG_PEEK))
+        except OSError:  # nothing waiting (BlockingIOError), or the socket is gone
+            return False
+
+    def stop_waiting(self) -> None:
+        """A receive() under way returns None now, as at its deadline; what has
+        arrived of a message stays buffered for the next one."""
+        if self._read_scope is not None:
+            self._read_scope.cancel()
+
     async def receive(self, deadline: float = math.inf) -> str | bytes | None:
         """The next whole message from the client, or None when `deadline` passes
         first.  Pings are answered here and the closing handshake completed; then
