@@ -103,15 +103,20 @@ async def test_pipelined_sends_share_batch_commits_in_request_order(app: App, te
     assert _batches(app) - batches <= 10
 
 
+async def _channel_and_key(owner, alpha, bob, slug: str) -> tuple[dict, dict]:
+    """A channel with bob in it, and an API key of bob's."""
+    channel = await open_channel(owner, alpha.workspace_id, slug, [bob.member_id])
+    key = await owner.call("apikey.create", name="bob", member_id=bob.member_id, workspace_id=alpha.workspace_id)
+    return channel, key
+
+
 @pytest.mark.parametrize("change", ["generation advanced", "key revoked"])
 async def test_a_stale_cached_context_under_pipelined_sends_keeps_their_order(app: App, team, change: str):
     """The sends queued with a context that proves stale in their batch are refused
     there and served afresh (or refused for good) one after another, in order."""
     alpha, _, bob, _ = team
-    ws_id = {"workspace_id": alpha.workspace_id}
     async with await signed_in(app, alpha.owner) as owner:
-        channel = await open_channel(owner, alpha.workspace_id, "stale", [bob.member_id])
-        key = await owner.call("apikey.create", name="bob", member_id=bob.member_id, **ws_id)
+        channel, key = await _channel_and_key(owner, alpha, bob, "stale")
     async with trio_websocket.open_websocket_url(app.url) as ws:
         await _auth(ws, {"op": "auth", "api_key": key["key"]})
         warm = _sends(channel["id"], 2, "warm")
@@ -138,10 +143,8 @@ async def test_a_revocation_under_pipelined_sends_closes_after_the_replies_of_th
     """Revoked (NOTIFY) while sends are in flight: each send taken is answered, in
     order, before the 4403 close; a send is stored exactly when it was acknowledged."""
     alpha, _, bob, _ = team
-    ws_id = {"workspace_id": alpha.workspace_id}
     async with await signed_in(app, alpha.owner) as owner:
-        channel = await open_channel(owner, alpha.workspace_id, "revoked", [bob.member_id])
-        key = await owner.call("apikey.create", name="bob", member_id=bob.member_id, **ws_id)
+        channel, key = await _channel_and_key(owner, alpha, bob, "revoked")
         async with trio_websocket.open_websocket_url(app.url) as ws:
             await _auth(ws, {"op": "auth", "api_key": key["key"]})
             sends = _sends(channel["id"], 200, "r")
@@ -154,7 +157,8 @@ async def test_a_revocation_under_pipelined_sends_closes_after_the_replies_of_th
                             frame = json.loads(await ws.get_message())
                             replies.append(frame)
                             if len(replies) == 5:
-                                await owner.call("apikey.revoke", api_key_id=key["id"], **ws_id)
+                                await owner.call("apikey.revoke", api_key_id=key["id"],
+                                                 workspace_id=alpha.workspace_id)
                 nursery.cancel_scope.cancel()  # the rest cannot be written to a closed connection
     assert closed.value.reason.code == CLOSE_REVOKED
     assert [r["id"] for r in replies] == [s["id"] for s in sends[:len(replies)]]
