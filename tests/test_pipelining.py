@@ -110,6 +110,45 @@ async def _channel_and_key(owner, alpha, bob, slug: str) -> tuple[dict, dict]:
     return channel, key
 
 
+async def test_only_a_client_writing_ahead_is_pipelined(app: App, team):
+    """A client waiting for each reply is served inline (no task per send), however fast
+    it answers; one that writes ahead is pipelined until a send is again alone in flight."""
+    alpha, _, bob, _ = team
+    async with await signed_in(app, alpha.owner) as owner:
+        channel = await open_channel(owner, alpha.workspace_id, "modes", [bob.member_id])
+    async with trio_websocket.open_websocket_url(app.url) as ws:
+        await _auth(ws, {"op": "login", "email": bob.email, "password": bob.password})
+        (connection,) = [c for c in app.server.connections.all if c.principal and c.principal.account_id
+                         == bob.account_id]
+        for send in _sends(channel["id"], 20, "waiting", workspace_id=alpha.workspace_id):
+            await _write_all(ws, [send])
+            await _replies(ws, 1)
+            assert not connection.pipelining
+        async with _slow_commits(app.db):
+            await _write_all(ws, _sends(channel["id"], 10, "ahead", workspace_id=alpha.workspace_id))
+            await _replies(ws, 10)
+        assert connection.pipelining
+        await _write_all(ws, _sends(channel["id"], 1, "alone", workspace_id=alpha.workspace_id))
+        await _replies(ws, 1)
+        assert not connection.pipelining
+
+
+async def test_a_read_written_behind_pipelined_sends_sees_them(app: App, team):
+    """Only sends overlap: a history read written right behind them waits until they are answered."""
+    alpha, _, bob, _ = team
+    async with await signed_in(app, alpha.owner) as owner:
+        channel = await open_channel(owner, alpha.workspace_id, "behind", [bob.member_id])
+    async with trio_websocket.open_websocket_url(app.url) as ws:
+        await _auth(ws, {"op": "login", "email": bob.email, "password": bob.password})
+        sends = _sends(channel["id"], 8, "behind", workspace_id=alpha.workspace_id)
+        read = {"op": "message.history", "id": "read", "scope_id": channel["id"], "workspace_id": alpha.workspace_id}
+        async with _slow_commits(app.db):
+            await _write_all(ws, [*sends, read])
+            replies = await _replies(ws, len(sends) + 1)
+    assert [r["id"] for r in replies] == [s["id"] for s in sends] + ["read"]
+    assert {m["content"] for m in replies[-1]["data"]["messages"]} == {s["content"] for s in sends}
+
+
 @pytest.mark.parametrize("change", ["generation advanced", "key revoked"])
 async def test_a_stale_cached_context_under_pipelined_sends_keeps_their_order(app: App, team, change: str):
     """The sends queued with a context that proves stale in their batch are refused
