@@ -83,7 +83,6 @@ class Connection:
     session_expires_at: float | None = None
     closing: bool = False  # set by a handler: close (4403) after this reply
     answering: int = 0  # commands being answered (more than one only when pipelined, server/pipeline.py)
-    pipelining: bool = False  # its client writes sends before the replies come (server/pipeline.py)
     # A revocation arrived while a command was answered: checked again after its reply.
     recheck_after_reply: bool = False
     push: PushState | None = None
@@ -457,12 +456,12 @@ class Server:
             else:
                 request = pipeline.decoded(raw, connection.binary)
                 if pipeline.pipelines(connection, request):
+                    self.metrics.pipelines += 1
                     unanswered = await pipeline.serve_sends(self, connection, request, raw)
                 else:
                     connection.answering += 1
                     try:
-                        await self.answer_and_reply(connection, raw, request,
-                                                    note_pipelining=type(request) is frames.MessageSend)
+                        await self.answer_and_reply(connection, raw, request)
                     finally:
                         connection.answering -= 1
                         logs.request_id.set(None)
@@ -501,21 +500,16 @@ class Server:
         return error_frame(ProtocolError(ErrorCode.RATE_LIMITED, "too many commands; slow down"), request_id)
 
     async def answer_and_reply(self, connection: Connection, raw: str | bytes, request: frames.Request | None,
-                               *, reply_after: trio.Event | None = None, note_pipelining: bool = False) -> None:
+                               *, reply_after: trio.Event | None = None) -> None:
         """Answer one command (`request`: `raw` decoded, None when it does not
         decode) and write the reply, once `reply_after` is set; count it, and log
-        it with its phases when it took longer than slow_command_ms.
-        `note_pipelining`: the connection pipelines its sends from now on if the
-        client wrote more before this reply went out (server/pipeline.py) — after
-        it, a client waiting for each reply may already have answered it."""
+        it with its phases when it took longer than slow_command_ms."""
         actor_seconds.set(0.0)
         marks = [time.perf_counter()]
         reply = await self._answer(connection, raw, request, marks)
         marks.append(time.perf_counter())
         if reply_after is not None:
             await reply_after.wait()
-        if note_pipelining and connection.ws.has_input():
-            connection.pipelining = True
         await connection.send(reply)
         done = time.perf_counter()
         duration = done - marks[0]

@@ -49,6 +49,7 @@ class ServerMetrics:
         self.slow_consumer_closes = 0
         self.push_gap_replays = 0
         self.slow_commands = 0
+        self.pipelines = 0  # runs of pipelined message.send (server/pipeline.py)
         self.command_seconds = Histogram(
             "scopewire_command_duration_seconds", "Time from a command's arrival to its reply being written",
             ["op"], buckets=COMMAND_SECONDS_BUCKETS, registry=self.registry)
@@ -162,6 +163,8 @@ class _ServerCollector(Collector):
         yield failures
         yield CounterMetricFamily("scopewire_slow_commands", "Commands slower than --slow-command-ms (each logged)",
                                   value=metrics.slow_commands)
+        yield CounterMetricFamily("scopewire_send_pipelines", "Runs of message.send a client wrote ahead of the "
+                                  "replies, served overlapped", value=metrics.pipelines)
 
         registry = server.registry
         depths = registry.mailbox_depths() if registry is not None else []

@@ -11,9 +11,9 @@ written), each send re-checked inside its own write.  A send whose cached
 context proves stale is served afresh only after the sends before it are
 answered, and one whose actor lost its scope's lease is submitted again only
 after them (actors/registry.SubmitOrder), so a retry cannot overtake them.  A
-connection pipelines once its client wrote more before a send's reply went
-out, and stops when a send was again the only one in flight (a client waiting
-for each reply pays no task per send)."""
+pipeline starts at a send read together with more of the client's input (a
+client waiting for each reply is served inline, without a task per send) and
+lasts while sends keep arriving before all earlier ones are answered."""
 
 from __future__ import annotations
 
@@ -54,7 +54,8 @@ def decoded(raw: str | bytes, binary: bool) -> frames.Request | None:
 
 
 def pipelines(connection: Connection, request: frames.Request | None) -> bool:
-    return connection.pipelining and type(request) is frames.MessageSend
+    """A send the client wrote more behind (read with it): serve it and what follows as a pipeline."""
+    return type(request) is frames.MessageSend and connection.ws.has_buffered_input()
 
 
 class _Step:
@@ -95,11 +96,9 @@ async def serve_sends(server: Server, connection: Connection, request: frames.Me
     target = (request.workspace_id, request.scope_id)
     in_flight: deque[trio.Event] = deque()
     previous: _Step | None = None
-    steps = 0
     try:
         async with trio.open_nursery() as nursery:
             while True:
-                steps += 1
                 step = _Step(previous)
                 connection.answering += 1
                 nursery.start_soon(_answer_in_order, server, connection, raw, request, step)
@@ -118,8 +117,6 @@ async def serve_sends(server: Server, connection: Connection, request: frames.Me
                     # Returns None once every reply is written (_answer_in_order stops the wait).
                     raw = await ws.receive(connection.last_inbound + server.config.idle_timeout_seconds)
                 if raw is None:  # all answered with nothing more written
-                    if steps == 1:
-                        connection.pipelining = False  # one send at a time again: served inline until it is not
                     return None
                 connection.last_inbound = trio.current_time()
                 request = decoded(raw, connection.binary)  # type: ignore[assignment]

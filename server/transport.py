@@ -253,15 +253,10 @@ class WebSocket:
 
     # --- reading ---------------------------------------------------------------------------
 
-    def has_input(self) -> bool:
-        """Whether the client has sent more than has been read (whole or not): a
-        client writing its next commands before the replies come."""
-        if self._parser._events or len(self._parser._proto._frame_decoder.buffer):  # wsproto 1.3 (pinned)
-            return True
-        try:
-            return bool(self._sock.recv(1, socket.MSG_PEEK))
-        except OSError:  # nothing waiting (BlockingIOError), or the socket is gone
-            return False
+    def has_buffered_input(self) -> bool:
+        """Whether more has been read from the client than the messages taken: it
+        wrote its next frame with (or right behind) the last one."""
+        return bool(self._parser._events or len(self._parser._proto._frame_decoder.buffer))  # wsproto 1.3 (pinned)
 
     def stop_waiting(self) -> None:
         """A receive() under way returns None now, as at its deadline; what has
