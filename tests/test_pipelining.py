@@ -83,13 +83,20 @@ async def _scope_seqs(db: Database, scope_id: str) -> dict[str, int]:
     return {row["content"]: row["seq"] for row in rows}
 
 
-async def test_pipelined_sends_share_batch_commits_in_request_order(app: App, team):
+@contextlib.asynccontextmanager
+async def _bob_in_channel(app: App, team, slug: str):
+    """A channel with bob in it, and a raw WebSocket signed in as bob: (workspace id, channel, socket)."""
     alpha, _, bob, _ = team
     async with await signed_in(app, alpha.owner) as owner:
-        channel = await open_channel(owner, alpha.workspace_id, "piped", [bob.member_id])
+        channel = await open_channel(owner, alpha.workspace_id, slug, [bob.member_id])
     async with trio_websocket.open_websocket_url(app.url) as ws:
         await _auth(ws, {"op": "login", "email": bob.email, "password": bob.password})
-        sends = _sends(channel["id"], 40, "piped", workspace_id=alpha.workspace_id)
+        yield alpha.workspace_id, channel, ws
+
+
+async def test_pipelined_sends_share_batch_commits_in_request_order(app: App, team):
+    async with _bob_in_channel(app, team, "piped") as (workspace_id, channel, ws):
+        sends = _sends(channel["id"], 40, "piped", workspace_id=workspace_id)
         batches = _batches(app)
         async with _slow_commits(app.db):
             await _write_all(ws, sends)
@@ -113,32 +120,24 @@ async def _channel_and_key(owner, alpha, bob, slug: str) -> tuple[dict, dict]:
 async def test_only_a_client_writing_ahead_is_pipelined(app: App, team):
     """A client waiting for each reply is served inline (no task per send), however fast
     it answers; sends written together are served as a pipeline (counted on /metrics)."""
-    alpha, _, bob, _ = team
-    async with await signed_in(app, alpha.owner) as owner:
-        channel = await open_channel(owner, alpha.workspace_id, "modes", [bob.member_id])
     metrics = app.server.metrics
-    async with trio_websocket.open_websocket_url(app.url) as ws:
-        await _auth(ws, {"op": "login", "email": bob.email, "password": bob.password})
+    async with _bob_in_channel(app, team, "modes") as (workspace_id, channel, ws):
         pipelines = metrics.pipelines
-        for send in _sends(channel["id"], 20, "waiting", workspace_id=alpha.workspace_id):
+        for send in _sends(channel["id"], 20, "waiting", workspace_id=workspace_id):
             await _write_all(ws, [send])
             await _replies(ws, 1)
         assert metrics.pipelines == pipelines
         async with _slow_commits(app.db):
-            await _write_all(ws, _sends(channel["id"], 10, "ahead", workspace_id=alpha.workspace_id))
+            await _write_all(ws, _sends(channel["id"], 10, "ahead", workspace_id=workspace_id))
             await _replies(ws, 10)
         assert metrics.pipelines > pipelines
 
 
 async def test_a_read_written_behind_pipelined_sends_sees_them(app: App, team):
     """Only sends overlap: a history read written right behind them waits until they are answered."""
-    alpha, _, bob, _ = team
-    async with await signed_in(app, alpha.owner) as owner:
-        channel = await open_channel(owner, alpha.workspace_id, "behind", [bob.member_id])
-    async with trio_websocket.open_websocket_url(app.url) as ws:
-        await _auth(ws, {"op": "login", "email": bob.email, "password": bob.password})
-        sends = _sends(channel["id"], 8, "behind", workspace_id=alpha.workspace_id)
-        read = {"op": "message.history", "id": "read", "scope_id": channel["id"], "workspace_id": alpha.workspace_id}
+    async with _bob_in_channel(app, team, "behind") as (workspace_id, channel, ws):
+        sends = _sends(channel["id"], 8, "behind", workspace_id=workspace_id)
+        read = {"op": "message.history", "id": "read", "scope_id": channel["id"], "workspace_id": workspace_id}
         async with _slow_commits(app.db):
             await _write_all(ws, [*sends, read])
             replies = await _replies(ws, len(sends) + 1)
@@ -156,7 +155,7 @@ async def test_a_stale_cached_context_under_pipelined_sends_keeps_their_order(ap
     async with trio_websocket.open_websocket_url(app.url) as ws:
         await _auth(ws, {"op": "auth", "api_key": key["key"]})
         warm = _sends(channel["id"], 2, "warm")
-        await _write_all(ws, warm)  # fills the cache, and leaves the connection pipelining
+        await _write_all(ws, warm)  # fills the cached context
         await _replies(ws, len(warm))
         sql, refusal = SILENT_CHANGES[change]
         await app.db.run(lambda c: c.execute(sql.format(workspace=alpha.workspace_id, key=key["id"])))
