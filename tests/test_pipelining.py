@@ -110,13 +110,6 @@ async def test_pipelined_sends_share_batch_commits_in_request_order(app: App, te
     assert _batches(app) - batches <= 10
 
 
-async def _channel_and_key(owner, alpha, bob, slug: str) -> tuple[dict, dict]:
-    """A channel with bob in it, and an API key of bob's."""
-    channel = await open_channel(owner, alpha.workspace_id, slug, [bob.member_id])
-    key = await owner.call("apikey.create", name="bob", member_id=bob.member_id, workspace_id=alpha.workspace_id)
-    return channel, key
-
-
 async def test_only_a_client_writing_ahead_is_pipelined(app: App, team):
     """A client waiting for each reply is served inline (no task per send), however fast
     it answers; sends written together are served as a pipeline (counted on /metrics)."""
@@ -145,15 +138,26 @@ async def test_a_read_written_behind_pipelined_sends_sees_them(app: App, team):
     assert {m["content"] for m in replies[-1]["data"]["messages"]} == {s["content"] for s in sends}
 
 
+@contextlib.asynccontextmanager
+async def _bob_keyed(app: App, team, slug: str):
+    """A channel with bob in it, the owner's connection (open throughout), and a raw
+    WebSocket authenticated with an API key of bob's: (owner, channel, key, socket)."""
+    alpha, _, bob, _ = team
+    async with await signed_in(app, alpha.owner) as owner:
+        channel = await open_channel(owner, alpha.workspace_id, slug, [bob.member_id])
+        key = await owner.call("apikey.create", name="bob", member_id=bob.member_id,
+                               workspace_id=alpha.workspace_id)
+        async with trio_websocket.open_websocket_url(app.url) as ws:
+            await _auth(ws, {"op": "auth", "api_key": key["key"]})
+            yield owner, channel, key, ws
+
+
 @pytest.mark.parametrize("change", ["generation advanced", "key revoked"])
 async def test_a_stale_cached_context_under_pipelined_sends_keeps_their_order(app: App, team, change: str):
     """The sends queued with a context that proves stale in their batch are refused
     there and served afresh (or refused for good) one after another, in order."""
-    alpha, _, bob, _ = team
-    async with await signed_in(app, alpha.owner) as owner:
-        channel, key = await _channel_and_key(owner, alpha, bob, "stale")
-    async with trio_websocket.open_websocket_url(app.url) as ws:
-        await _auth(ws, {"op": "auth", "api_key": key["key"]})
+    alpha = team[0]
+    async with _bob_keyed(app, team, "stale") as (_, channel, key, ws):
         warm = _sends(channel["id"], 2, "warm")
         await _write_all(ws, warm)  # fills the cached context
         await _replies(ws, len(warm))
@@ -177,24 +181,20 @@ async def test_a_stale_cached_context_under_pipelined_sends_keeps_their_order(ap
 async def test_a_revocation_under_pipelined_sends_closes_after_the_replies_of_those_taken(app: App, team):
     """Revoked (NOTIFY) while sends are in flight: each send taken is answered, in
     order, before the 4403 close; a send is stored exactly when it was acknowledged."""
-    alpha, _, bob, _ = team
-    async with await signed_in(app, alpha.owner) as owner:
-        channel, key = await _channel_and_key(owner, alpha, bob, "revoked")
-        async with trio_websocket.open_websocket_url(app.url) as ws:
-            await _auth(ws, {"op": "auth", "api_key": key["key"]})
-            sends = _sends(channel["id"], 200, "r")
-            replies: list[dict] = []
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(_write_all, ws, sends)
-                with trio.fail_after(60):
-                    with pytest.raises(trio_websocket.ConnectionClosed) as closed:
-                        while True:
-                            frame = json.loads(await ws.get_message())
-                            replies.append(frame)
-                            if len(replies) == 5:
-                                await owner.call("apikey.revoke", api_key_id=key["id"],
-                                                 workspace_id=alpha.workspace_id)
-                nursery.cancel_scope.cancel()  # the rest cannot be written to a closed connection
+    alpha = team[0]
+    async with _bob_keyed(app, team, "revoked") as (owner, channel, key, ws):
+        sends = _sends(channel["id"], 200, "r")
+        replies: list[dict] = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_write_all, ws, sends)
+            with trio.fail_after(60):
+                with pytest.raises(trio_websocket.ConnectionClosed) as closed:
+                    while True:
+                        frame = json.loads(await ws.get_message())
+                        replies.append(frame)
+                        if len(replies) == 5:
+                            await owner.call("apikey.revoke", api_key_id=key["id"], workspace_id=alpha.workspace_id)
+            nursery.cancel_scope.cancel()  # the rest cannot be written to a closed connection
     assert closed.value.reason.code == CLOSE_REVOKED
     assert [r["id"] for r in replies] == [s["id"] for s in sends[:len(replies)]]
     acknowledged = [s["content"] for s, r in zip(sends, replies) if r["type"] == "result"]
