@@ -15,6 +15,7 @@ import trio
 
 from actors.fanout import FanoutHub
 from actors.scope_actor import ActorUnavailable, Command, CreateScope, Reply, ScopeActor
+from actors.write_turns import WriteTurns
 from storage import messages
 from storage.bridge import Database
 from storage.errors import DatabaseUnavailable, LeaseLost, StorageError
@@ -103,6 +104,7 @@ class ScopeRegistry:
         self.hub = hub
         self._nursery = nursery
         self._actors: dict[str, ScopeActor] = {}
+        self.write_turns = WriteTurns()
         # Set by drain(): no command starts here any more.
         self.draining = False
         self._supervising = 0
@@ -119,7 +121,7 @@ class ScopeRegistry:
                      view: messages.ActorView | None = None) -> ScopeActor:
         actor = ScopeActor(scope_id, self.db, self.hub, self.outbox_wake, self.idle_seconds, self.mailbox_size,
                            self.on_commit, self.offer_deliveries, clock=lambda: self.clock(), lease=lease,
-                           settle_later=self.settle_later, view=view)
+                           settle_later=self.settle_later, view=view, write_turns=self.write_turns)
         self._actors[scope_id] = actor
         self._supervising += 1
         if self.draining:

@@ -44,6 +44,7 @@ from actors import routing
 from actors.planner import PlanRefused, mention_handles, plan_message
 from actors.policy import can_add_member
 from actors.routing_tokens import TooManyRoutingTokens
+from actors.write_turns import WriteTurns
 from domain.authority import ScopeAuthority, private_read_reason
 from domain.credentials import CredentialProof, StaleCredential
 from domain.routing import RoutedDelivery
@@ -253,8 +254,11 @@ class ScopeActor:
                  offer_deliveries: Callable[[list[RoutedDelivery]], None] | None = None,
                  clock: Callable[[], datetime] | None = None, lease: tuple[str, int] | None = None,
                  settle_later: Callable[[str, list[str]], None] | None = None,
-                 view: messages.ActorView | None = None) -> None:
+                 view: messages.ActorView | None = None, write_turns: WriteTurns | None = None) -> None:
         self.scope_id = scope_id
+        # Shared by the node's actors: a batch of sends waits for its workspace's turn
+        # before it is closed (actors/write_turns.py).
+        self.write_turns = write_turns or WriteTurns()
         # Read for it already (ScopeRegistry.start_many): taken instead of the first reload.
         self._first_view = view
         # Takes the marks of inline deliveries when the mailbox runs empty (actors/inline_settler.py).
@@ -342,26 +346,19 @@ class ScopeActor:
                         pass  # the mailbox was closed (the node drains): what it held is done
                 if first is None:
                     return
-                batch = [first]
-                while len(batch) < MAX_BATCH:
-                    try:
-                        batch.append(self._inbox.receive_nowait())
-                    except (trio.WouldBlock, trio.EndOfChannel):
-                        break
-                previous, pending = pending, None
+                # A send's batch commits only in its workspace's turn: wait for it before the
+                # batch is closed, so that it takes in the sends that arrive meanwhile.
+                turn = self.state.workspace_id if self.state is not None and type(first) is Send else None
+                if turn is not None:
+                    if pending is not None and self.write_turns.busy(turn):
+                        self._publish(pending)  # fanned out while the workspace's other scopes commit
+                        pending = None
+                    await self.write_turns.acquire(turn)
                 try:
-                    pending = await self._commit(batch, previous)
-                except Exception as exc:
-                    # Every caller of the failed batch gets an answer; the registry
-                    # logs the crash and the next command starts a fresh actor.
-                    failure = (exc if isinstance(exc, DatabaseUnavailable)
-                               else ActorFailed(f"scope actor failed: {type(exc).__name__}"))
-                    for command in batch:
-                        command.reply.fail(failure)
-                    raise
+                    pending = await self._commit_next(first, pending)
                 finally:
-                    if previous is not None:
-                        self._publish(previous)  # a no-op once the overlap published it
+                    if turn is not None:
+                        self.write_turns.release(turn)
         finally:
             self.stopped = True
             self.mailbox.close()
@@ -373,6 +370,29 @@ class ScopeActor:
                     break
 
     # --- the batch -------------------------------------------------------------------------
+
+    async def _commit_next(self, first: Command, previous: _Publication | None) -> _Publication:
+        """Close the batch `first` opens with what the mailbox holds now, commit it and
+        return what it publishes; `previous` is published meanwhile."""
+        batch = [first]
+        while len(batch) < MAX_BATCH:
+            try:
+                batch.append(self._inbox.receive_nowait())
+            except (trio.WouldBlock, trio.EndOfChannel):
+                break
+        try:
+            return await self._commit(batch, previous)
+        except Exception as exc:
+            # Every caller of the failed batch gets an answer; the registry
+            # logs the crash and the next command starts a fresh actor.
+            failure = (exc if isinstance(exc, DatabaseUnavailable)
+                       else ActorFailed(f"scope actor failed: {type(exc).__name__}"))
+            for command in batch:
+                command.reply.fail(failure)
+            raise
+        finally:
+            if previous is not None:
+                self._publish(previous)  # a no-op once the overlap published it
 
     async def _commit(self, batch: list[Command], previous: _Publication | None = None) -> _Publication:
         """Commit `batch` in one transaction and answer its callers; return what

@@ -173,6 +173,9 @@ class _ServerCollector(Collector):
                           sum(depths))
         yield from _gauge("scopewire_actor_mailbox_depth_max", "Commands waiting in the fullest actor mailbox",
                           max(depths, default=0))
+        yield from _gauge("scopewire_actors_waiting_write_turn", "Scope actors holding a batch of sends open until "
+                          "their workspace's turn to write (two batches per workspace at a time)",
+                          registry.write_turns.waiting if registry is not None else 0)
 
         hub = server.hub
         yield CounterMetricFamily("scopewire_fanout_events", "Committed events published to the fanout hub",
