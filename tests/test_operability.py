@@ -85,6 +85,7 @@ async def test_health_ready_and_metrics_answer_plain_http_on_the_websocket_port(
     names = {family.name for family in text_string_to_metric_families(metrics.body.decode())}
     assert {"scopewire_connections", "scopewire_commands", "scopewire_auth_failures",
             "scopewire_command_duration_seconds", "scopewire_actors_active", "scopewire_actor_mailbox_depth",
+            "scopewire_actors_waiting_write_turn",
             "scopewire_actor_batch_size", "scopewire_actor_commit_duration_seconds", "scopewire_fanout_deliveries",
             "scopewire_fanout_bytes", "scopewire_slow_consumer_closes", "scopewire_push_gap_replays",
             "scopewire_outbox_backlog",
