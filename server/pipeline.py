@@ -111,12 +111,11 @@ async def serve_sends(server: Server, connection: Connection, request: frames.Me
                     in_flight.popleft()
                 if len(in_flight) >= MAX_IN_FLIGHT:
                     await in_flight.popleft().wait()
-                if connection.closing or connection.recheck_after_reply or ws.closing:
+                if connection.closing or connection.recheck_after_reply or ws.closing or not connection.answering:
                     return None
-                if connection.answering:
-                    # Returns None once every reply is written (_answer_in_order stops the wait).
-                    raw = await ws.receive(connection.last_inbound + server.config.idle_timeout_seconds)
-                if raw is None:  # all answered with nothing more written
+                # Returns None once every reply is written (_answer_in_order stops the wait).
+                raw = await ws.receive(connection.last_inbound + server.config.idle_timeout_seconds)
+                if raw is None:
                     return None
                 connection.last_inbound = trio.current_time()
                 request = decoded(raw, connection.binary)  # type: ignore[assignment]
