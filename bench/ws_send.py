@@ -15,7 +15,9 @@ with an API key), then a CHECKPOINT:
              by hand, one pre-built `message.send` frame per connection): each sends, waits
              for its result, sends again.  A send counts once its result (the committed
              message) is back: persisted and acknowledged.
-Both sides run two shapes for --duration seconds each, after --warmup seconds: `hot` (every
+Both sides run two shapes for --duration seconds each, after --warmup seconds of the same
+senders on the same connections (what a running deployment has warm — each connection's
+scope context, the server's plan cache — is warm in the window): `hot` (every
 sender into one scope) and `spread` (the senders over --scopes scopes).  Then `light`: one
 scope again, at an open-loop offered rate of --light-fraction (20 %) of the actor's hot
 rate in this repeat, round robin over the same senders, for the send → result latency at
@@ -57,6 +59,7 @@ import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 import urllib.request  # noqa: E402
+from collections.abc import Callable  # noqa: E402
 from typing import Any  # noqa: E402
 from urllib.parse import urlsplit  # noqa: E402
 
@@ -136,8 +139,10 @@ def _frames(buf: bytes) -> tuple[list[tuple[int, bytes]], bytes]:
 
 def run_senders(args: argparse.Namespace) -> int:
     """`--role senders`: one connection per (api key, scope) line of --plan; authenticate them
-    all, say `ready`, wait for `go` on stdin, then send for --duration seconds (closed loop,
-    or open loop at --rate messages/s over all connections) and print one JSON report."""
+    all, say `ready`, wait for `go` on stdin, then send for --warmup and --duration seconds
+    (closed loop, or open loop at --rate messages/s over all connections) on the same
+    connections, as the actor side's senders run on, and print one JSON report of the
+    answers that arrived in the --duration window."""
     plan = json.loads(Path(args.plan).read_text())
     parts = urlsplit(args.url)
     content = send_bench.make_content(args.content_size)
@@ -161,13 +166,14 @@ def run_senders(args: argparse.Namespace) -> int:
     print(json.dumps({"ready": len(conns)}), flush=True)
     if sys.stdin.readline().strip() != "go":
         return 1
-    cpu0 = time.process_time()
+    cpu0: float | None = None
     latencies: list[float] = []
     errors: dict[str, int] = {}
     sent = 0
     senders = list(conns.values())
     start = time.perf_counter()
-    deadline = start + args.duration
+    window = start + args.warmup
+    deadline = window + args.duration
     closed_loop = args.rate <= 0
     interval = 0.0 if closed_loop else 1.0 / args.rate
     next_at = start
@@ -181,6 +187,8 @@ def run_senders(args: argparse.Namespace) -> int:
         now = time.perf_counter()
         if now >= deadline:
             break
+        if cpu0 is None and now >= window:
+            cpu0 = time.process_time()
         if not closed_loop:
             while next_at <= now:  # on schedule whether or not earlier sends were answered
                 c = senders[turn % len(senders)]
@@ -203,17 +211,19 @@ def run_senders(args: argparse.Namespace) -> int:
                     continue
                 if opcode != 1 or not c.sent_at:
                     continue
-                latencies.append((done - c.sent_at.pop(0)) * 1000)
-                if b'"type":"error"' in payload:
-                    code = json.loads(payload).get("code", "?")
-                    errors[code] = errors.get(code, 0) + 1
+                sent_at = c.sent_at.pop(0)
+                if window <= done < deadline:
+                    latencies.append((done - sent_at) * 1000)
+                    if b'"type":"error"' in payload:
+                        code = json.loads(payload).get("code", "?")
+                        errors[code] = errors.get(code, 0) + 1
                 if closed_loop and done < deadline:
                     c.sent_at.append(time.perf_counter())
                     c.sock.send(c.frame)
                     sent += 1
-    elapsed = time.perf_counter() - start
+    elapsed = time.perf_counter() - window
     print(json.dumps({"sent": sent, "acked": len(latencies) - sum(errors.values()), "errors": errors,
-                      "elapsed_s": elapsed, "cpu_s": time.process_time() - cpu0,
+                      "elapsed_s": elapsed, "cpu_s": time.process_time() - (cpu0 or time.process_time()),
                       "latencies_ms": latencies}), flush=True)
     for c in senders:
         c.sock.close()
@@ -387,7 +397,7 @@ def _clients(url: str, plan: list[tuple[str, str]], args: argparse.Namespace, sc
         plan_path.write_text(json.dumps(share))
         procs.append(subprocess.Popen(
             [sys.executable, str(Path(__file__).resolve()), "--role", "senders", "--url", url, "--plan", str(plan_path),
-             "--duration", str(args.duration), "--content-size", str(args.content_size),
+             "--warmup", str(args.warmup), "--duration", str(args.duration), "--content-size", str(args.content_size),
              "--rate", str(rate * len(share) / len(plan))],
             cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
     for proc in procs:
@@ -411,14 +421,17 @@ def _server_batches(url: str) -> tuple[float, float, float]:
             values["scopewire_actor_commit_duration_seconds_sum"])
 
 
-def _drive(procs: list[subprocess.Popen], server_pid: int, pg_pid: int | None,
-           url: str) -> tuple[list[dict[str, Any]], dict]:
-    server0, pg0 = proc_cpu_s(server_pid), process_tree_cpu_seconds(pg_pid)
-    batches0 = _server_batches(url)
-    t0 = time.perf_counter()
+def _drive(procs: list[subprocess.Popen], server_pid: int, pg_pid: int | None, url: str, warmup: float,
+           before_window: Callable[[], None] | None = None) -> tuple[list[dict[str, Any]], dict]:
     for proc in procs:
         proc.stdin.write("go\n")
         proc.stdin.flush()
+    time.sleep(warmup)  # the clients count from here on, on their own clocks
+    if before_window is not None:
+        before_window()
+    server0, pg0 = proc_cpu_s(server_pid), process_tree_cpu_seconds(pg_pid)
+    batches0 = _server_batches(url)
+    t0 = time.perf_counter()
     reports = [json.loads(proc.stdout.readline()) for proc in procs]
     wall = time.perf_counter() - t0
     for proc in procs:
@@ -450,13 +463,10 @@ def run_websocket(fx: Fixture, args: argparse.Namespace, pool: PoolSettings, scr
         for shape in (*SHAPES, "light"):
             rate = actor_hot_rate * args.light_fraction if shape == "light" else 0.0
             plan = list(zip(fx.keys, _assignment(n, layouts[shape])))
-            warm = _clients(url, plan, argparse.Namespace(**{**vars(args), "duration": args.warmup}), scratch,
-                            f"{tag}-{shape}-warm", rate)
-            _drive(warm, server.pid, pg_pid, url)
             procs = _clients(url, plan, args, scratch, f"{tag}-{shape}", rate)
-            if args.pg_stat_statements:
-                admin(fx.sends.dsn, lambda conn: conn.execute("SELECT pg_stat_statements_reset()"))
-            reports, cpu = _drive(procs, server.pid, pg_pid, url)
+            reset = ((lambda: admin(fx.sends.dsn, lambda conn: conn.execute("SELECT pg_stat_statements_reset()")))
+                     if args.pg_stat_statements else None)
+            reports, cpu = _drive(procs, server.pid, pg_pid, url, args.warmup, reset)
             acked = sum(r["acked"] for r in reports)
             latencies = sorted(x for r in reports for x in r["latencies_ms"])
             errors: dict[str, int] = {}
