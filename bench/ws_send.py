@@ -20,8 +20,9 @@ senders on the same connections (what a running deployment has warm — each con
 scope context, the server's plan cache — is warm in the window): `hot` (every
 sender into one scope) and `spread` (the senders over --scopes scopes).  Then `light`: one
 scope again, at an open-loop offered rate of --light-fraction (20 %) of the actor's hot
-rate in this repeat, round robin over the same senders, for the send → result latency at
-that load (on the actor side: submit → reply, the floor under the websocket's).  The run
+rate in the first repeat (the same load in every repeat), round robin over the same senders,
+for the send → result latency at that load (on the actor side: submit → reply, the floor
+under the websocket's).  The sides alternate which runs first in each repeat.  The run
 also probes one 8 KiB write + fdatasync in the cluster's data directory: the floor under a
 durable commit.
 
@@ -283,8 +284,10 @@ async def _check(db: Database, scope_ids: list[str]) -> bool:
 
 # ============================================================================ the actor side
 
-def run_actor(fx: Fixture, args: argparse.Namespace, pool: PoolSettings, meter: send_bench.CpuMeter
-              ) -> dict[str, Any]:
+def run_actor(fx: Fixture, args: argparse.Namespace, pool: PoolSettings, meter: send_bench.CpuMeter,
+              light_rate: float | None = None) -> dict[str, Any]:
+    """The actor side's three shapes; `light` is offered `light_rate` msg/s (default: the
+    light fraction of this run's hot rate)."""
     content = send_bench.make_content(args.content_size)
     n = len(fx.keys)
 
@@ -333,7 +336,8 @@ def run_actor(fx: Fixture, args: argparse.Namespace, pool: PoolSettings, meter: 
                                   if cpu["postgres_cpu_s"] is not None else None,
                                   "tx": stats.report(args.duration), "gap_free": await _check(db, scope_ids)}
                 out["light"] = await _actor_light(registry, fx, args, await _scopes(db, fx, 1),
-                                                  out["hot"]["sends_per_s"] * args.light_fraction, content)
+                                                  light_rate or out["hot"]["sends_per_s"] * args.light_fraction,
+                                                  content)
                 nursery.cancel_scope.cancel()
         return out
 
@@ -446,7 +450,7 @@ def _drive(procs: list[subprocess.Popen], server_pid: int, pg_pid: int | None, u
 
 
 def run_websocket(fx: Fixture, args: argparse.Namespace, pool: PoolSettings, scratch: Path, tag: str,
-                  actor_hot_rate: float, pg_pid: int | None) -> dict[str, Any]:
+                  light_rate: float, pg_pid: int | None) -> dict[str, Any]:
     n = len(fx.keys)
     layouts: dict[str, list[str]] = {}
 
@@ -461,7 +465,7 @@ def run_websocket(fx: Fixture, args: argparse.Namespace, pool: PoolSettings, scr
     out: dict[str, Any] = {}
     try:
         for shape in (*SHAPES, "light"):
-            rate = actor_hot_rate * args.light_fraction if shape == "light" else 0.0
+            rate = light_rate if shape == "light" else 0.0
             plan = list(zip(fx.keys, _assignment(n, layouts[shape])))
             procs = _clients(url, plan, args, scratch, f"{tag}-{shape}", rate)
             reset = ((lambda: admin(fx.sends.dsn, lambda conn: conn.execute("SELECT pg_stat_statements_reset()")))
@@ -575,15 +579,33 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         admin(send_bench._with_database(admin_dsn, template), lambda conn: conn.execute("VACUUM ANALYZE"))
         clones = send_bench.Clones(admin_dsn, template)
         repeats = []
+        light_rate: float | None = None
         for repeat in range(args.repeats):
-            actor = clones.run(fx.sends, lambda s: run_actor(dataclasses.replace(fx, sends=s), args, pool, meter))
-            log(f"repeat {repeat}: actor " + "  ".join(f"{k} {actor[k]['sends_per_s']:,.0f}/s" for k in SHAPES)
-                + f"  light p50 {actor['light']['p50_ms']} ms")
-            ws = clones.run(fx.sends, lambda s: run_websocket(dataclasses.replace(fx, sends=s), args, pool, scratch,
-                                                             f"r{repeat}", actor["hot"]["sends_per_s"], pg_pid))
-            log(f"repeat {repeat}: websocket " + "  ".join(
-                f"{k} {ws[k]['sends_per_s']:,.0f}/s p50 {ws[k]['p50_ms']} ms "
-                f"(batches of {ws[k]['server_batches']['batch_size_mean']})" for k in (*SHAPES, "light")))
+            def actor_side() -> dict[str, Any]:
+                out = clones.run(fx.sends, lambda s: run_actor(dataclasses.replace(fx, sends=s), args, pool, meter,
+                                                               light_rate))
+                log(f"repeat {repeat}: actor " + "  ".join(f"{k} {out[k]['sends_per_s']:,.0f}/s" for k in SHAPES)
+                    + f"  light p50 {out['light']['p50_ms']} ms")
+                return out
+
+            def websocket_side() -> dict[str, Any]:
+                out = clones.run(fx.sends, lambda s: run_websocket(dataclasses.replace(fx, sends=s), args, pool,
+                                                                  scratch, f"r{repeat}", light_rate, pg_pid))
+                log(f"repeat {repeat}: websocket " + "  ".join(
+                    f"{k} {out[k]['sends_per_s']:,.0f}/s p50 {out[k]['p50_ms']} ms "
+                    f"(batches of {out[k]['server_batches']['batch_size_mean']})" for k in (*SHAPES, "light")))
+                return out
+
+            # The sides alternate which goes first, so a machine drifting over the minutes
+            # between them favours neither; the light load offered to both comes from the
+            # actor's hot rate in the first repeat, which always starts with the actor.
+            if repeat % 2 == 0:
+                actor = actor_side()
+                light_rate = light_rate or actor["hot"]["sends_per_s"] * args.light_fraction
+                ws = websocket_side()
+            else:
+                ws = websocket_side()
+                actor = actor_side()
             actor.pop("database", None)
             ws.pop("database", None)
             repeats.append({"repeat": repeat, "actor": actor, "websocket": ws})
