@@ -88,6 +88,10 @@ class Reply:
         self._value: Any = None
         self._error: BaseException | None = None
 
+    @property
+    def answered(self) -> bool:
+        return self._done.is_set()
+
     def set(self, value: Any) -> None:
         if not self._done.is_set():
             self._value = value
@@ -406,11 +410,8 @@ class ScopeActor:
         settling = list(self._unsettled)
         started = time.perf_counter()
         try:
-            if previous is not None:
-                outcomes = await self.db.run_overlapping(partial(self._publish, previous), self._write_batch,
-                                                         batch, settling)
-            else:
-                outcomes = await self.db.run(self._write_batch, batch, settling)
+            meanwhile = partial(self._publish, previous) if previous is not None else None
+            outcomes = await self.db.run_overlapping(meanwhile, self._write_batch, batch, settling)
         except LeaseLost as exc:
             # Another node owns the scope now: nothing of this batch committed, and this
             # actor must not write again; its callers retry at the owner.

@@ -15,6 +15,7 @@ import trio.testing
 
 from storage.cluster import ClusterSettings, PostgresCluster
 
+from storage import bridge
 from storage.bridge import (Database, Notification, PoolSettings, ResyncOnOverflow, _translate,
                             lift_transaction_bound)
 from storage.errors import DatabaseUnavailable
@@ -83,6 +84,23 @@ async def test_overlapping_work_runs_while_the_unit_is_in_flight(db: Database):
 
     # A failure of the overlapping work does not abandon the unit.
     assert await db.run_overlapping(failing, _one) == 1
+
+
+async def test_an_overlapping_unit_starts_before_its_submitter_goes_on(db: Database, monkeypatch):
+    # The submitter's thread gives the loop thread the GIL to start the unit first
+    # (bounded by HAND_OVER_SECONDS, lifted here so that a busy machine cannot time it out).
+    monkeypatch.setattr(bridge, "HAND_OVER_SECONDS", 30.0)
+    started = threading.Event()
+    seen_at_meanwhile: list[bool] = []
+
+    async def unit(conn):
+        started.set()
+        return await conn.fetchval("SELECT 7")
+
+    for _ in range(20):
+        started.clear()
+        assert await db.run_overlapping(lambda: seen_at_meanwhile.append(started.is_set()), unit) == 7
+    assert all(seen_at_meanwhile), seen_at_meanwhile
 
 
 async def test_query_errors_surface_as_asyncpg_errors(db: Database):

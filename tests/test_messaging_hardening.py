@@ -4,6 +4,8 @@ departed members, one visibility module."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import trio
 
@@ -105,6 +107,41 @@ async def test_submit_waits_a_bounded_time_for_mailbox_room_and_for_the_reply(au
     assert len(outcomes) == 3 and all(isinstance(o, ActorUnavailable) for o in outcomes), outcomes
 
 
+async def test_a_command_queued_in_a_running_actor_is_bounded_too(autojump_clock, db, tenants, monkeypatch):
+    """The fast path (the actor runs, its mailbox has room: no cancel scope per
+    command) keeps the same bound, and its expiry task ends once nothing is awaited."""
+    alpha, _ = tenants
+    scope_id, actor = await _bare_scope(db, alpha)
+    stuck = trio.Event()
+    real_commit = scope_actor.ScopeActor._commit
+
+    async def commit_until_stuck(self, batch, previous=None):
+        if stuck.is_set():
+            await trio.sleep_forever()
+        return await real_commit(self, batch, previous)
+
+    monkeypatch.setattr(scope_actor.ScopeActor, "_commit", commit_until_stuck)
+
+    def send(content: str) -> Send:
+        return Send(actor, MessageIntent(scope_id=scope_id, content=content))
+
+    autojump_clock.autojump_threshold = math.inf  # real commits first: no time jumps while they run
+    async with trio.open_nursery() as nursery:
+        registry = ScopeRegistry(db, FanoutHub(), nursery, submit_timeout_seconds=5.0, idle_seconds=3600)
+        first = await registry.submit(scope_id, send("starts the actor"))
+        for n in range(3):  # answered on the fast path: nothing left for the expiry task
+            assert (await registry.submit(scope_id, send(f"fast {n}"))).seq == first.seq + 1 + n
+        autojump_clock.autojump_threshold = 0
+        await trio.sleep(2.0)
+        assert not registry._expiring
+        stuck.set()
+        start = trio.current_time()
+        with trio.fail_after(10), pytest.raises(ActorUnavailable):
+            await registry.submit(scope_id, send("never answered"))
+        assert 5.0 <= trio.current_time() - start < 6.0
+        nursery.cancel_scope.cancel()
+
+
 # --- 2. every write passes the fence; channel.create is all or nothing ----------------------------------
 
 async def test_conversation_actions_pass_the_execution_fence(app: App, tenants):
@@ -161,17 +198,18 @@ async def test_a_plain_send_writes_nothing_when_a_gate_of_its_one_statement_fail
     registry = app.server.registry
     await registry.submit(scope_id, Send(actor, MessageIntent(scope_id=scope_id, content="warm")))
     statements: list[str] = []
-    run = app.db.run
+    run_overlapping = app.db.run_overlapping
 
-    async def logged_run(fn, *args, **kwargs):
+    async def logged_run(meanwhile, fn, *args, **kwargs):
         async def logged(conn, *unit_args, **unit_kwargs):
             with conn.query_logger(lambda record: statements.append(record.query)):
                 return await fn(conn, *unit_args, **unit_kwargs)
-        return await run(logged if getattr(fn, "__name__", "") == "_write_batch" else fn, *args, **kwargs)
+        return await run_overlapping(meanwhile, logged if getattr(fn, "__name__", "") == "_write_batch" else fn,
+                                     *args, **kwargs)
 
     sql, refusal = GATE_CHANGES[change]
     await app.db.run(lambda c: c.execute(sql, scope_id))
-    monkeypatch.setattr(app.db, "run", logged_run)
+    monkeypatch.setattr(app.db, "run_overlapping", logged_run)
     command = Send(actor, MessageIntent(scope_id=scope_id, content="after"))
     await registry._actors[scope_id].mailbox.send(command)  # to this actor: the registry would forward
     with pytest.raises(refusal):
