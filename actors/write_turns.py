@@ -40,6 +40,15 @@ class WriteTurns:
     async def acquire(self, workspace_id: str) -> None:
         turns, users = self._turns.get(workspace_id) or (trio.Semaphore(TURNS_PER_WORKSPACE), 0)
         self._turns[workspace_id] = (turns, users + 1)
+        try:
+            # A free turn (none awaited: a release hands it to the first waiter) is taken
+            # without yielding: an actor whose commit just answered a batch starts the next
+            # one before the answered callers' tasks run (their replies would delay the
+            # commit, not grow it — their next sends cannot have arrived yet).
+            turns.acquire_nowait()
+            return
+        except trio.WouldBlock:
+            pass
         self.waiting += 1
         try:
             await turns.acquire()

@@ -55,6 +55,25 @@ async def test_turns_are_fair_bounded_per_workspace_and_forgotten_when_free():
     assert turns.waiting == 0 and not turns._turns
 
 
+async def test_a_free_turn_is_taken_without_letting_other_tasks_run_first():
+    # An actor whose commit just answered its callers starts its next batch before their
+    # tasks write the replies; a turn that has to be waited for is still waited for.
+    turns = WriteTurns()
+    ran: list[str] = []
+
+    async def other_task() -> None:
+        ran.append("other")
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(other_task)
+        await turns.acquire("w1")
+        await turns.acquire("w1")
+        assert ran == [] and turns.busy("w1")
+        turns.release("w1")
+        turns.release("w1")
+    assert ran == ["other"] and not turns._turns
+
+
 async def test_a_writer_cancelled_while_waiting_leaves_nothing_behind():
     turns = WriteTurns()
     release = trio.Event()
