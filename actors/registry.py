@@ -4,9 +4,9 @@ gone when idle, replaced after a crash."""
 from __future__ import annotations
 
 import contextvars
-from collections import deque
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any, Protocol
@@ -264,15 +264,24 @@ class ScopeRegistry:
                 if order is not None:
                     order.enqueued(actor)
                 self._bound_wait(command.reply, deadline)
-                try:
-                    return await command.reply.wait()
-                except LeaseLost:
-                    if forwarded:
-                        raise
-                    command.reply = Reply()  # nothing committed: run it at the new owner
-                    if order is not None:  # nor of what was queued behind it: it goes first again
-                        await order.previous_answered()
+                answered, value = await self._reply_or_retry(command, order, forwarded)
+                if answered:
+                    return value
         return await self._submit_waiting(scope_id, command, forwarded, deadline)
+
+    @staticmethod
+    async def _reply_or_retry(command: Command, order: SubmitOrder | None, forwarded: bool) -> tuple[bool, Any]:
+        """(True, the reply), or (False, None) when the actor lost the scope's lease
+        before running the command, which is then submitted again."""
+        try:
+            return True, await command.reply.wait()
+        except LeaseLost:
+            if forwarded:
+                raise
+            command.reply = Reply()  # nothing committed: run it at the new owner
+            if order is not None:  # nor of what was queued behind it: it goes first again
+                await order.previous_answered()
+            return False, None
 
     def _bound_wait(self, reply: Reply, deadline: float) -> None:
         """Fail `reply` if it is not answered within submit_timeout_seconds.  One task
@@ -328,15 +337,10 @@ class ScopeRegistry:
                         continue  # it went idle just now: start a fresh one
                     if order is not None:
                         order.enqueued(target)
-                    try:
-                        return await command.reply.wait()
-                    except LeaseLost:
-                        if forwarded:
-                            raise
-                        command.reply = Reply()  # nothing committed: run it at the new owner
-                        if order is not None:  # nor of what was queued behind it: it goes first again
-                            await order.previous_answered()
-                        continue
+                    answered, value = await self._reply_or_retry(command, order, forwarded)
+                    if answered:
+                        return value
+                    continue
                 assert self.ownership is not None
                 if order is not None:
                     await order.previous_answered()
