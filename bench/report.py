@@ -138,7 +138,7 @@ def ws_send() -> Iterator[Figure]:
     floors = [f"the scope actor alone {_spread(light['actor_p50_ms'], ' ms')}"] if "actor_p50_ms" in light else []
     if fsync:
         floors.append(f"one 8 KiB write + fdatasync {_num(fsync['median_us'] / 1000)} ms")
-    yield Figure(name, f"send → result p50 at {doc['parameters']['light_fraction']:.0%} of the actor's hot rate",
+    yield Figure(name, f"send → result p50 at {doc['parameters']['light_fraction']:.0%} of the actor's median hot rate",
                  _spread(light["p50_ms"], " ms"), "; ".join(floors) or "—",
                  f"≤ {light['target_p50_ms']:g} ms", _verdict(light["met"]))
 

@@ -18,11 +18,12 @@ with an API key), then a CHECKPOINT:
 Both sides run two shapes for --duration seconds each, after --warmup seconds of the same
 senders on the same connections (what a running deployment has warm — each connection's
 scope context, the server's plan cache — is warm in the window): `hot` (every
-sender into one scope) and `spread` (the senders over --scopes scopes).  Then `light`: one
-scope again, at an open-loop offered rate of --light-fraction (20 %) of the actor's hot
-rate in the first repeat (the same load in every repeat), round robin over the same senders,
-for the send → result latency at that load (on the actor side: submit → reply, the floor
-under the websocket's).  The sides alternate which runs first in each repeat.  The run
+sender into one scope) and `spread` (the senders over --scopes scopes).  Once every repeat
+of those has run, `light`: one scope again, at an open-loop offered rate of --light-fraction
+(20 %) of the actor's median hot rate over the repeats (the figure the hot ratio divides
+by; the same load in every light repeat, on fresh clones), round robin over the same
+senders, for the send → result latency at that load (on the actor side: submit → reply,
+the floor under the websocket's).  The sides alternate which runs first in each repeat.  The run
 also probes one 8 KiB write + fdatasync in the cluster's data directory: the floor under a
 durable commit.
 
@@ -285,9 +286,8 @@ async def _check(db: Database, scope_ids: list[str]) -> bool:
 # ============================================================================ the actor side
 
 def run_actor(fx: Fixture, args: argparse.Namespace, pool: PoolSettings, meter: send_bench.CpuMeter,
-              light_rate: float | None = None) -> dict[str, Any]:
-    """The actor side's three shapes; `light` is offered `light_rate` msg/s (default: the
-    light fraction of this run's hot rate)."""
+              shapes: tuple[str, ...], light_rate: float = 0.0) -> dict[str, Any]:
+    """The actor side's `shapes`; `light` is offered `light_rate` msg/s."""
     content = send_bench.make_content(args.content_size)
     n = len(fx.keys)
 
@@ -302,7 +302,7 @@ def run_actor(fx: Fixture, args: argparse.Namespace, pool: PoolSettings, meter: 
                 await nursery.start(settler.run)
                 registry = ScopeRegistry(db, FanoutHub(), nursery, idle_seconds=600.0,
                                          ownership=await send_bench._one_node(db), settle_later=settler.settle)
-                for shape in SHAPES:
+                for shape in (s for s in shapes if s in SHAPES):
                     scope_ids = await _scopes(db, fx, 1 if shape == "hot" else args.scopes)
                     targets = _assignment(n, scope_ids)
                     counts = [0] * n
@@ -335,9 +335,9 @@ def run_actor(fx: Fixture, args: argparse.Namespace, pool: PoolSettings, meter: 
                                   "postgres_cpu_us_per_send": round(cpu["postgres_cpu_s"] / sends * 1e6, 1)
                                   if cpu["postgres_cpu_s"] is not None else None,
                                   "tx": stats.report(args.duration), "gap_free": await _check(db, scope_ids)}
-                out["light"] = await _actor_light(registry, fx, args, await _scopes(db, fx, 1),
-                                                  light_rate or out["hot"]["sends_per_s"] * args.light_fraction,
-                                                  content)
+                if "light" in shapes:
+                    out["light"] = await _actor_light(registry, fx, args, await _scopes(db, fx, 1), light_rate,
+                                                      content)
                 nursery.cancel_scope.cancel()
         return out
 
@@ -450,21 +450,20 @@ def _drive(procs: list[subprocess.Popen], server_pid: int, pg_pid: int | None, u
 
 
 def run_websocket(fx: Fixture, args: argparse.Namespace, pool: PoolSettings, scratch: Path, tag: str,
-                  light_rate: float, pg_pid: int | None) -> dict[str, Any]:
+                  shapes: tuple[str, ...], light_rate: float, pg_pid: int | None) -> dict[str, Any]:
     n = len(fx.keys)
     layouts: dict[str, list[str]] = {}
 
     async def make_scopes() -> None:
         async with Database(fx.sends.dsn, pool) as db:
-            layouts["hot"] = await _scopes(db, fx, 1)
-            layouts["spread"] = await _scopes(db, fx, args.scopes)
-            layouts["light"] = await _scopes(db, fx, 1)  # the hot shape's layout, at a fraction of its rate
+            for shape in shapes:  # light: the hot shape's layout, at a fraction of its rate
+                layouts[shape] = await _scopes(db, fx, args.scopes if shape == "spread" else 1)
 
     trio.run(make_scopes)
     server, url = _start_server(fx.sends.dsn, scratch / f"{tag}-serve.log")
     out: dict[str, Any] = {}
     try:
-        for shape in (*SHAPES, "light"):
+        for shape in shapes:
             rate = light_rate if shape == "light" else 0.0
             plan = list(zip(fx.keys, _assignment(n, layouts[shape])))
             procs = _clients(url, plan, args, scratch, f"{tag}-{shape}", rate)
@@ -579,36 +578,45 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         admin(send_bench._with_database(admin_dsn, template), lambda conn: conn.execute("VACUUM ANALYZE"))
         clones = send_bench.Clones(admin_dsn, template)
         repeats = []
-        light_rate: float | None = None
-        for repeat in range(args.repeats):
+
+        def run_sides(repeat: int, shapes: tuple[str, ...], light_rate: float = 0.0) -> dict[str, Any]:
             def actor_side() -> dict[str, Any]:
                 out = clones.run(fx.sends, lambda s: run_actor(dataclasses.replace(fx, sends=s), args, pool, meter,
-                                                               light_rate))
-                log(f"repeat {repeat}: actor " + "  ".join(f"{k} {out[k]['sends_per_s']:,.0f}/s" for k in SHAPES)
-                    + f"  light p50 {out['light']['p50_ms']} ms")
+                                                               shapes, light_rate))
+                log(f"repeat {repeat}: actor " + "  ".join(
+                    f"{k} p50 {out[k]['p50_ms']} ms" if k == "light" else f"{k} {out[k]['sends_per_s']:,.0f}/s"
+                    for k in shapes))
                 return out
 
             def websocket_side() -> dict[str, Any]:
                 out = clones.run(fx.sends, lambda s: run_websocket(dataclasses.replace(fx, sends=s), args, pool,
-                                                                  scratch, f"r{repeat}", light_rate, pg_pid))
+                                                                  scratch, f"r{repeat}-{'-'.join(shapes)}", shapes,
+                                                                  light_rate, pg_pid))
                 log(f"repeat {repeat}: websocket " + "  ".join(
                     f"{k} {out[k]['sends_per_s']:,.0f}/s p50 {out[k]['p50_ms']} ms "
-                    f"(batches of {out[k]['server_batches']['batch_size_mean']})" for k in (*SHAPES, "light")))
+                    f"(batches of {out[k]['server_batches']['batch_size_mean']})" for k in shapes))
                 return out
 
             # The sides alternate which goes first, so a machine drifting over the minutes
-            # between them favours neither; the light load offered to both comes from the
-            # actor's hot rate in the first repeat, which always starts with the actor.
+            # between them favours neither.
             if repeat % 2 == 0:
-                actor = actor_side()
-                light_rate = light_rate or actor["hot"]["sends_per_s"] * args.light_fraction
-                ws = websocket_side()
+                actor, ws = actor_side(), websocket_side()
             else:
-                ws = websocket_side()
-                actor = actor_side()
+                ws, actor = websocket_side(), actor_side()
             actor.pop("database", None)
             ws.pop("database", None)
-            repeats.append({"repeat": repeat, "actor": actor, "websocket": ws})
+            return {"actor": actor, "websocket": ws}
+
+        for repeat in range(args.repeats):
+            repeats.append({"repeat": repeat, **run_sides(repeat, SHAPES)})
+        # The light load is a fraction of the actor's median hot rate, the figure the hot ratio
+        # divides by: one fast or slow repeat does not move it for the whole record.
+        light_rate = statistics.median(r["actor"]["hot"]["sends_per_s"] for r in repeats) * args.light_fraction
+        log(f"light: {light_rate:,.0f} msg/s offered to both sides")
+        for repeat in range(args.repeats):
+            light = run_sides(repeat, ("light",), light_rate)
+            for side in ("actor", "websocket"):
+                repeats[repeat][side]["light"] = light[side]["light"]
         return {"postgres": {k: v for k, v in pg_info.items() if k not in ("backend_pid", "postmaster_pid")},
                 "fdatasync_8k_in_data_dir": fsync_probe,
                 "repeats": repeats, "summary": summarize(repeats)}
