@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Protocol
 
 
@@ -31,8 +31,6 @@ class CommittedEvent:
 
 
 MESSAGE_CREATED = "message.created"
-# Subscribers a paused publication serves between two pauses (FanoutHub.publication).
-PAUSE_EVERY = 128
 
 
 @dataclass(eq=False, slots=True)
@@ -165,30 +163,11 @@ class FanoutHub:
         follower of the scope or of its workspace whose member is in the roster
         (or the event's own audience).  A batch of events leaves in one write
         per connection.  Never blocks.  Unless it came from another node
-        (`relay=False`), the publication goes to the relay too, first."""
-        for _ in self.publication(items, relay=relay, pause_every=0):
-            pass
-
-    def publication(self, items: list[tuple[CommittedEvent, frozenset[str] | set[str] | None]], *,
-                    relay: bool = True, pause_every: int = PAUSE_EVERY) -> Iterator[None]:
-        """publish_many as steps: the generator pauses after every `pause_every`
-        subscribers (0: never) so that its driver can let other tasks run — read a
-        send that arrived meanwhile and start committing it — and then goes on.  It
-        never pauses when a local follower of the workspace feed is among the
-        targets: another scope's later event reaching that follower between two
-        steps would read as a gap in the feed's sequence."""
-        if relay and self.relay is not None:
-            # Before the steps: the relay's order stays the order of the commits.
-            self.relay(items)
-        if pause_every and any(self._by_workspace.get(event.workspace_id) for event, _ in items):
-            pause_every = 0
-        runs = list(_runs(items))
-        # One run: each subscriber's frames are written as soon as it is served.  Several:
-        # gathered, so that a connection still gets the whole batch in one write.
-        pending: dict[Subscription, list[bytes]] | None = {} if len(runs) > 1 else None
+        (`relay=False`), the publication then goes to the relay too."""
+        pending: dict[Subscription, list[bytes]] = {}
+        single = len(items) == 1
         delivered = delivered_bytes = 0
-        until_pause = pause_every
-        for events, entitled in runs:
+        for events, entitled in _runs(items):
             self.published += len(events)
             event = events[0]
             by_scope = self._by_scope.get(event.scope_id)
@@ -200,14 +179,6 @@ class FanoutHub:
                 targets = list(by_scope or by_workspace or ())
             run = EventRun(event.scope_id, events) if len(events) > 1 else None
             for subscription in targets:
-                if pause_every:
-                    if not until_pause:
-                        self.delivered += delivered
-                        self.delivered_bytes += delivered_bytes
-                        delivered = delivered_bytes = 0
-                        yield
-                        until_pause = pause_every
-                    until_pause -= 1
                 if not subscription.active:
                     continue
                 sink = subscription.sink
@@ -219,31 +190,33 @@ class FanoutHub:
                 if frame is not None:
                     delivered += len(events)
                     delivered_bytes += len(frame)
-                    frames = [frame]
-                else:
-                    frames = []
-                    for event in events:
-                        frame = sink.admit(event)
-                        if not subscription.active:
-                            break  # cut off by this event
-                        if frame is not None:
-                            delivered += 1
-                            delivered_bytes += len(frame)
-                            frames.append(frame)
-                if not frames:
+                    frames = pending.get(subscription)
+                    if frames is None:
+                        pending[subscription] = [frame]
+                    else:
+                        frames.append(frame)
                     continue
-                if pending is None:
-                    if subscription.active:
-                        sink.write(frames)
-                elif subscription in pending:
-                    pending[subscription] += frames
-                else:
-                    pending[subscription] = frames
-        for subscription, frames in (pending or {}).items():
+                for event in events:
+                    if not subscription.active:
+                        break  # cut off by the event before
+                    frame = sink.admit(event)
+                    if frame is None:
+                        continue
+                    delivered += 1
+                    delivered_bytes += len(frame)
+                    if single:
+                        sink.write([frame])
+                    elif subscription in pending:
+                        pending[subscription].append(frame)
+                    else:
+                        pending[subscription] = [frame]
+        for subscription, frames in pending.items():
             if subscription.active:
                 subscription.sink.write(frames)
         self.delivered += delivered
         self.delivered_bytes += delivered_bytes
+        if relay and self.relay is not None:
+            self.relay(items)
 
 
 def _runs(items: list[tuple[CommittedEvent, frozenset[str] | set[str] | None]]):

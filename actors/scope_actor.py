@@ -23,7 +23,7 @@ import time
 from datetime import datetime, timezone
 from functools import partial
 from dataclasses import dataclass, field
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import asyncpg
@@ -229,8 +229,6 @@ class _Publication:
     deliveries: list[RoutedDelivery] = field(default_factory=list)
     wake_outbox: bool = False
     published: bool = False
-    # The hub's publication once begun (FanoutHub.publication): the rest goes on from here.
-    steps: Iterator[None] | None = None
 
     def extend(self, other: _Publication) -> None:
         self.items += other.items
@@ -340,9 +338,9 @@ class ScopeActor:
                         first = self._inbox.receive_nowait()
                     except (trio.WouldBlock, trio.EndOfChannel):
                         if pending is not None:
-                            if await self._publish_until_command(pending):
-                                pending = None
-                            continue  # published, or a command came in: its batch overlaps the rest
+                            self._publish(pending)
+                            pending = None
+                            continue
                         await self._settle()
                 if first is None:
                     try:
@@ -589,28 +587,12 @@ class ScopeActor:
                                             created_at) is not None)
         return MessageAudience(self._public_set, self._private_by_id, reads)
 
-    async def _publish_until_command(self, publication: _Publication) -> bool:
-        """Publish, letting other tasks run every few subscribers; stop early, False, once
-        a command waits in the mailbox: its commit then overlaps the rest of the
-        publication (`_commit`'s meanwhile) instead of waiting for all of it."""
-        if publication.steps is None:
-            publication.steps = self.hub.publication(publication.items)
-        for _ in publication.steps:
-            # Shielded: once begun, a publication is finished (on cancellation too).
-            await trio.lowlevel.cancel_shielded_checkpoint()
-            if self.mailbox_depth:
-                return False
-        self._publish(publication)
-        return True
-
     def _publish(self, publication: _Publication) -> None:
-        """Finish the publication (all of it, without pausing) and hand on what follows it."""
         if publication.published:
             return
         publication.published = True
         # One publication per batch: each connection gets the batch in one write.
-        for _ in publication.steps or self.hub.publication(publication.items, pause_every=0):
-            pass
+        self.hub.publish_many(publication.items)
         # Marked delivered only once really handed over: by the node's settler when there
         # is one — its own transaction, off this actor's commit path (a mark riding in the
         # next batch cost a hot scope's batch an UPDATE and split its fence statement in

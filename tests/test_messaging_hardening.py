@@ -10,7 +10,7 @@ import pytest
 import trio
 
 from actors import scope_actor
-from actors.fanout import PAUSE_EVERY, FanoutHub
+from actors.fanout import FanoutHub
 from domain.plan import ActorContext, MessageIntent
 from actors.registry import ScopeRegistry
 from actors.scope_actor import ActorFailed, ActorUnavailable, Send
@@ -140,66 +140,6 @@ async def test_a_command_queued_in_a_running_actor_is_bounded_too(autojump_clock
             await registry.submit(scope_id, send("never answered"))
         assert 5.0 <= trio.current_time() - start < 6.0
         nursery.cancel_scope.cancel()
-
-
-async def test_a_send_arriving_during_a_publication_commits_alongside_the_rest_of_it(db, tenants, monkeypatch):
-    """A publication to many subscribers pauses every PAUSE_EVERY of them: a send that came
-    in meanwhile starts its commit at the next pause, and the rest of the publication goes
-    out while that commit runs, not before it; each subscriber still gets both, in order."""
-    alpha, _ = tenants
-    scope_id, actor = await _bare_scope(db, alpha)
-    log: list[tuple] = []
-    run_overlapping = db.run_overlapping
-
-    async def logged_run(meanwhile, fn, *args, **kwargs):
-        log.append(("commit", len(args[0])))
-        return await run_overlapping(meanwhile, fn, *args, **kwargs)
-
-    monkeypatch.setattr(db, "run_overlapping", logged_run)
-
-    def send(content: str) -> Send:
-        return Send(actor, MessageIntent(scope_id=scope_id, content=content))
-
-    class Recorder:
-        def __init__(self, index: int) -> None:
-            self.index = index
-
-        def admit(self, event) -> bytes:
-            return str(event.seq).encode()
-
-        def admit_run(self, run) -> None:
-            return None
-
-        def skip(self, event) -> None:
-            raise AssertionError("the owner is entitled")
-
-        def write(self, frames) -> None:
-            if not written:
-                nursery.start_soon(registry.submit, scope_id, send("during the publication"))
-            log.append(("write", self.index, tuple(frames)))
-            written.append(self.index)
-            if len(written) == 2 * subscribers:
-                all_written.set()
-
-    subscribers = 3 * PAUSE_EVERY
-    written: list[int] = []
-    all_written = trio.Event()
-    hub = FanoutHub()
-    async with trio.open_nursery() as nursery:
-        registry = ScopeRegistry(db, hub, nursery, idle_seconds=3600)
-        first = await registry.submit(scope_id, send("starts the actor"))
-        for index in range(subscribers):
-            hub.follow_scope(hub.subscribe(alpha.owner.member_id, Recorder(index)), scope_id)
-        log.clear()
-        await registry.submit(scope_id, send("published in steps"))
-        with trio.fail_after(30):
-            await all_written.wait()
-        nursery.cancel_scope.cancel()
-    second_commit = [at for at, entry in enumerate(log) if entry[0] == "commit"][1]
-    assert 0 < sum(entry[0] == "write" for entry in log[:second_commit]) < subscribers
-    expected = [(str(first.seq + 1).encode(),), (str(first.seq + 2).encode(),)]
-    for index in range(subscribers):
-        assert [entry[2] for entry in log if entry[0] == "write" and entry[1] == index] == expected
 
 
 # --- 2. every write passes the fence; channel.create is all or nothing ----------------------------------

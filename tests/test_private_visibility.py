@@ -420,32 +420,29 @@ async def test_a_feed_step_skipped_before_the_one_under_it_is_no_gap(app: App, w
     alpha, bob, carol, agent, channel, key, ws = world
     scope = channel["id"]
     hub = app.server.hub
-    publication = hub.publication
+    publish_many = hub.publish_many
     held: list = []
 
     def reordering(items, **kwargs):
         contents = {getattr(event.data, "content", None) for event, _ in items}
         if "owner first" in contents:
-            held.append(items)  # until the next publication has gone
-            return iter(())
-        return then_the_held(publication(items, **kwargs))
-
-    def then_the_held(steps):
-        yield from steps
+            held.append((items, kwargs))  # until the next publication has gone
+            return
+        publish_many(items, **kwargs)
         while held:
-            for _ in publication(held.pop(), pause_every=0):
-                pass
+            earlier, earlier_kwargs = held.pop()
+            publish_many(earlier, **earlier_kwargs)
 
     async with (await signed_in(app, alpha.owner) as owner, await signed_in(app, bob) as b,
                 as_agent(app, key) as scout):
         await scout.call("subscribe", workspace_feed=True, **ws)
-        hub.publication = reordering
+        hub.publish_many = reordering
         try:
             first = await owner.call("message.send", scope_id=scope, content="owner first", **ws)
             unseen = await b.call("message.send", scope_id=scope, content="bob unseen", **ws)
             assert unseen["global_seq"] == first["global_seq"] + 1 and not held
         finally:
-            hub.publication = publication
+            hub.publish_many = publish_many
         quote = await owner.call("message.forward", scope_id=scope, source_message_ids=[unseen["id"]],
                                  mode="owner_quote", comment="look", **ws)
         own = await scout.call("message.send", scope_id=scope, content="scout after", **ws)

@@ -14,7 +14,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from wsproto.events import CloseConnection, Message, Request, TextMessage
 
-from actors.fanout import CommittedEvent, FanoutHub
 from client import connect
 from protocol import frames
 from server.config import ServerConfig
@@ -373,24 +372,25 @@ async def _publish_out_of_order(thread: ServerThread, into_shared: list[bool], o
         await _created_until(bob, start["id"])  # the subscribe's own catch-up is over
         # Commit every message, but hold each one's publication back.
         held: list = []
-        publication = hub.publication
+        publish_many = hub.publish_many
 
         def holding(items, **kwargs):
             if any(event.scope_id in (world.shared, world.elsewhere) for event, _ in items):
-                held.append(items)
-                return iter(())
-            return publication(items, **kwargs)
+                held.append((items, kwargs))
+            else:
+                publish_many(items, **kwargs)
 
-        hub.publication = holding
+        hub.publish_many = holding
         try:
             sent = [await owner.call("message.send", scope_id=world.shared if shared else world.elsewhere,
                                      content=str(index)) for index, shared in enumerate(into_shared)]
         finally:
-            hub.publication = publication
+            hub.publish_many = publish_many
         assert len(held) == len(sent)  # sent one at a time: a publication each
         replays = server.metrics.push_gap_replays
         for index in order:
-            hub.publish_many(held[index])
+            items, kwargs = held[index]
+            publish_many(items, **kwargs)
         end = await owner.call("message.send", scope_id=world.shared, content="end")
         received = await _created_until(bob, end["id"])
     assert received == [m["id"] for m, shared in zip(sent, into_shared) if shared] + [end["id"]]
@@ -440,25 +440,25 @@ async def _publish_runs(thread: ServerThread, chunks: list[int], order: list[int
         await _created_until(bob, start["id"])
         await _created_until(feed, start["id"])
         held: list = []
-        publication = hub.publication
+        publish_many = hub.publish_many
 
         def holding(items, **kwargs):
             if any(event.scope_id == world.shared for event, _ in items):
                 held.append(items)
-                return iter(())
-            return publication(items, **kwargs)
+            else:
+                publish_many(items, **kwargs)
 
-        hub.publication = holding
+        hub.publish_many = holding
         try:
             sent = [await owner.call("message.send", scope_id=world.shared, content=str(index))
                     for index in range(sum(chunks))]
         finally:
-            hub.publication = publication
+            hub.publish_many = publish_many
         assert len(held) == len(sent)
         bounds = [sum(chunks[:index]) for index in range(len(chunks) + 1)]
         replays = server.metrics.push_gap_replays
         for index in order:
-            hub.publish_many([item for items in held[bounds[index]:bounds[index + 1]] for item in items])
+            publish_many([item for items in held[bounds[index]:bounds[index + 1]] for item in items])
         end = await owner.call("message.send", scope_id=world.shared, content="end")
         expected = [m["id"] for m in sent] + [end["id"]]
         assert await _created_until(bob, end["id"]) == expected
@@ -512,42 +512,3 @@ async def test_subscribes_are_answered_a_pooled_connection_at_a_time(app: App, t
         assert [s["id"] for s in answered[0]["scopes"]] == [channel["id"]]
         for _ in range(capacity - 1):
             slots.release()
-
-
-class _FrameSink:
-    """A hub sink that writes each event's seq and keeps what it wrote."""
-
-    def __init__(self, name: str, written: list) -> None:
-        self.name, self.written = name, written
-
-    def admit(self, event) -> bytes:
-        return str(event.seq).encode()
-
-    def admit_run(self, run) -> None:
-        return None
-
-    def skip(self, event) -> None:
-        pass
-
-    def write(self, frames) -> None:
-        self.written.append((self.name, list(frames)))
-
-
-def test_a_publication_pauses_every_few_subscribers_unless_a_workspace_feed_follows():
-    """FanoutHub.publication serves `pause_every` subscribers between two pauses, each
-    once, and pauses not at all when a local workspace-feed follower is a target (another
-    scope's event between two steps would be a gap in its feed)."""
-    hub = FanoutHub()
-    written: list = []
-    for index in range(5):
-        hub.follow_scope(hub.subscribe(f"m{index}", _FrameSink(f"m{index}", written)), "s")
-    event = CommittedEvent("message.created", "w", "s", 1, 1, {})
-    served_at_pauses = [len(written) for _ in hub.publication([(event, None)], pause_every=2)]
-    assert served_at_pauses == [2, 4]
-    assert sorted(name for name, _ in written) == [f"m{index}" for index in range(5)]
-    assert all(frames == [b"1"] for _, frames in written)
-    hub.follow_workspace(hub.subscribe("feed", _FrameSink("feed", written)), "w")
-    written.clear()
-    later = CommittedEvent("message.created", "w", "s", 2, 2, {})
-    assert list(hub.publication([(later, None)], pause_every=2)) == []
-    assert len(written) == 6
