@@ -33,24 +33,21 @@ class CommittedEvent:
 MESSAGE_CREATED = "message.created"
 
 
-@dataclass(eq=False, slots=True)
 class EventRun:
     """Consecutive new messages of one scope (seqs first_seq..last_seq without a
     hole) published together to the same entitled members: most subscribers take
     the whole run in one step instead of one step per event, and every one of a
     wire format gets the same bytes (`frames`, built by the first that needs them)."""
 
-    scope_id: str
-    events: list[CommittedEvent]
-    frames: dict[bool, bytes] = field(default_factory=dict)
+    # Plain attributes, not properties: every subscriber of a publication reads them.
+    __slots__ = ("scope_id", "events", "first_seq", "last_seq", "frames")
 
-    @property
-    def first_seq(self) -> int:
-        return self.events[0].seq
-
-    @property
-    def last_seq(self) -> int:
-        return self.events[-1].seq
+    def __init__(self, scope_id: str, events: list[CommittedEvent]) -> None:
+        self.scope_id = scope_id
+        self.events = events
+        self.first_seq: int = events[0].seq
+        self.last_seq: int = events[-1].seq
+        self.frames: dict[bool, bytes] = {}
 
 
 class Roster(frozenset):
@@ -78,10 +75,12 @@ class Sink(Protocol):
         """An event on a followed workspace that is not for this member (its
         workspace_global_seq is still a step of the feed's sequence)."""
 
-    def admit_run(self, run: EventRun) -> bytes | None:
+    def admit_run(self, run: EventRun, write: bool = False) -> bytes | None:
         """A run the member is entitled to: its frames in one piece when they all
-        go out now, exactly in order after what this sink sent last; else None,
-        and the hub hands the run's events to admit() one by one."""
+        go out now, exactly in order after what this sink sent last — and, when
+        `write`, already written (one call per subscriber of a publication that is
+        this run alone); else None, and the hub hands the run's events to admit()
+        one by one."""
 
     def write(self, frames: list[bytes]) -> None:
         """Write admitted frames, in order."""
@@ -164,10 +163,13 @@ class FanoutHub:
         (or the event's own audience).  A batch of events leaves in one write
         per connection.  Never blocks.  Unless it came from another node
         (`relay=False`), the publication then goes to the relay too."""
+        runs = list(_runs(items))
+        # One run (nearly every publication): each subscriber is written as soon as it is
+        # served.  Several: gathered, so that a connection gets the batch in one write.
+        alone = len(runs) == 1
         pending: dict[Subscription, list[bytes]] = {}
-        single = len(items) == 1
         delivered = delivered_bytes = 0
-        for events, entitled in _runs(items):
+        for events, entitled in runs:
             self.published += len(events)
             event = events[0]
             by_scope = self._by_scope.get(event.scope_id)
@@ -177,7 +179,10 @@ class FanoutHub:
                 targets = list(by_scope | by_workspace)
             else:
                 targets = list(by_scope or by_workspace or ())
-            run = EventRun(event.scope_id, events) if len(events) > 1 else None
+            # A lone message is a run too: admit_run takes and writes it in one call where it is next.
+            run = (EventRun(event.scope_id, events)
+                   if len(events) > 1 or (alone and event.event == MESSAGE_CREATED and event.seq is not None)
+                   else None)
             for subscription in targets:
                 if not subscription.active:
                     continue
@@ -186,30 +191,35 @@ class FanoutHub:
                     for event in events:
                         sink.skip(event)
                     continue
-                frame = sink.admit_run(run) if run is not None else None
-                if frame is not None:
-                    delivered += len(events)
-                    delivered_bytes += len(frame)
-                    frames = pending.get(subscription)
-                    if frames is None:
-                        pending[subscription] = [frame]
-                    else:
-                        frames.append(frame)
-                    continue
-                for event in events:
-                    if not subscription.active:
-                        break  # cut off by the event before
-                    frame = sink.admit(event)
-                    if frame is None:
+                if run is not None:
+                    frame = sink.admit_run(run, alone)
+                    if frame is not None:
+                        delivered += len(events)
+                        delivered_bytes += len(frame)
+                        if not alone:
+                            frames = pending.get(subscription)
+                            if frames is None:
+                                pending[subscription] = [frame]
+                            else:
+                                frames.append(frame)
                         continue
-                    delivered += 1
-                    delivered_bytes += len(frame)
-                    if single:
-                        sink.write([frame])
-                    elif subscription in pending:
-                        pending[subscription].append(frame)
-                    else:
-                        pending[subscription] = [frame]
+                frames = []
+                for event in events:
+                    frame = sink.admit(event)
+                    if not subscription.active:
+                        break  # cut off by this event
+                    if frame is not None:
+                        delivered += 1
+                        delivered_bytes += len(frame)
+                        frames.append(frame)
+                if not frames:
+                    continue
+                if alone:
+                    sink.write(frames)
+                elif subscription in pending:
+                    pending[subscription] += frames
+                else:
+                    pending[subscription] = frames
         for subscription, frames in pending.items():
             if subscription.active:
                 subscription.sink.write(frames)

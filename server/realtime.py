@@ -120,7 +120,7 @@ class PushState:
                 return None
         return event.frames.get(self._binary) or shared_frame(event, self._binary)
 
-    def admit_run(self, run: EventRun) -> bytes | None:
+    def admit_run(self, run: EventRun, write: bool = False) -> bytes | None:
         """The run in one piece when it is exactly what this connection sends next:
         its scope cursor stands just before the run and nothing else moves with it
         (no replay, no feed cursor).  Otherwise None: event by event (admit)."""
@@ -131,6 +131,8 @@ class PushState:
         frames = run.frames.get(self._binary)
         if frames is None:
             frames = run.frames[self._binary] = b"".join([shared_frame(e, self._binary) for e in run.events])
+        if write and self._ws.write_now(frames) > self._buffer_limit:
+            self.cut_off("slow_consumer: send buffer overflow")
         return frames
 
     def _advance(self, event: CommittedEvent) -> bool | None:

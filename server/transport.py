@@ -125,25 +125,37 @@ class WebSocket:
         self._write(frames)
         return True
 
-    def _write(self, frames: list[bytes] | tuple[bytes, ...]) -> None:
+    def write_now(self, data: bytes, control: bool = False) -> int:
+        """`write` of whole frames already joined, for the fanout's one call per
+        subscriber: the bytes still queued after them (the backlog), or -1 if the
+        connection no longer sends (`control`: a control frame, which may go out
+        while closing)."""
+        if not control and (self._closing or self._closed):
+            return -1
         if self._out:  # a backlog: keep the order
-            for frame in frames:
-                self._out += frame
-            return
-        # One syscall for the batch; joining measured cheaper than sendmsg's iovec.
-        data = frames[0] if len(frames) == 1 else b"".join(frames)
+            self._out += data
+            return len(self._out)
         try:
             sent = self._sock.send(data)
         except BlockingIOError:
             sent = 0
         except OSError:
             self.abort()
-            return
+            return -1
         if sent < len(data):
             self._out += memoryview(data)[sent:]
             if not self._flushing:
                 self._flushing = True
                 self._spawn(self._flush)
+        return len(self._out)
+
+    def _write(self, frames: list[bytes] | tuple[bytes, ...]) -> None:
+        if self._out:  # a backlog: keep the order, without joining
+            for frame in frames:
+                self._out += frame
+            return
+        # One syscall for the batch; joining measured cheaper than sendmsg's iovec.
+        self.write_now(frames[0] if len(frames) == 1 else b"".join(frames), True)
 
     async def _flush(self) -> None:
         try:

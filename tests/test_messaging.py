@@ -470,7 +470,7 @@ class ListSink:
     def admit(self, event) -> None:
         self.events.append(event)
 
-    def admit_run(self, run) -> None:
+    def admit_run(self, run, write=False) -> None:
         return None  # event by event
 
     def skip(self, event) -> None:
