@@ -215,7 +215,8 @@ class FanoutHub:
                 if not frames:
                     continue
                 if alone:
-                    sink.write(frames)
+                    if subscription.active:
+                        sink.write(frames)
                 elif subscription in pending:
                     pending[subscription] += frames
                 else:

@@ -178,6 +178,20 @@ def fanout() -> Iterator[Figure]:
                  "≤ 8 KiB", _verdict(max(kib) <= 8))
 
 
+def publish() -> Iterator[Figure]:
+    doc = _load("publish.json")
+    if doc is None:
+        return
+    name = f"publish.py ({_run(doc)})"
+    subscribers = doc["parameters"]["subscribers"]
+    for shape in doc["shapes"].values():
+        what = "a lone message" if shape["run_length"] == 1 else f"a run of {shape['run_length']} messages"
+        yield Figure(name, f"thread CPU of one publication of {what} to {subscribers:,} loopback subscribers",
+                     _spread(shape["hub_ms"], " ms"),
+                     f"bare `send()` loop to the same sockets {_spread(shape['ceiling_ms'], ' ms')}; "
+                     f"ratio {_spread(shape['ratio'], '×')}", "—", "—")
+
+
 def broadcast() -> Iterator[Figure]:
     doc = _load("broadcast.json")
     if doc is None:
@@ -282,7 +296,7 @@ def service_accounts() -> Iterator[Figure]:
 
 
 SOURCES: tuple[Callable[[], Iterator[Figure]], ...] = (
-    send, send_limit, ws_send, fanout, broadcast, private_agents, routed, db_bridge, upload, search, service_accounts)
+    send, send_limit, ws_send, fanout, publish, broadcast, private_agents, routed, db_bridge, upload, search, service_accounts)
 
 
 def render() -> str:
