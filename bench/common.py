@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import datetime
+import json
 import math
 import os
 import platform
@@ -223,3 +225,17 @@ def machine_info(packages: tuple[str, ...]) -> dict[str, Any]:
         "packages": versions,
         "git": git,
     }
+
+
+def write_document(benchmark: str, started: datetime.datetime, machine: dict[str, Any], args: Any,
+                   result: dict[str, Any], internal: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The run's JSON document (timing, machine, parameters without the `internal` ones,
+    the result), written to `args.output`."""
+    finished = datetime.datetime.now(datetime.timezone.utc)
+    doc = {"benchmark": benchmark, "timestamp": started.isoformat(), "finished_at": finished.isoformat(),
+           "duration_s": round((finished - started).total_seconds(), 1), "machine": machine,
+           "parameters": {k: v for k, v in vars(args).items() if k not in (*internal, "output")}
+           | {"output": str(args.output)}, **result}
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(doc, indent=1) + "\n")
+    return doc

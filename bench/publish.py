@@ -32,8 +32,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import select
 import socket
 import statistics
 import subprocess
@@ -47,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import protocol.frames  # noqa: E402,F401 - the protocol modules' import order, as the server loads them
 from actors.fanout import CommittedEvent, FanoutHub  # noqa: E402
-from bench.common import machine_info, spread  # noqa: E402
+from bench.common import machine_info, spread, write_document  # noqa: E402
 from server.realtime import PushState  # noqa: E402
 from server.transport import WebSocket  # noqa: E402
 from server.wire import server_frame  # noqa: E402
@@ -199,19 +197,13 @@ def main(argv: list[str] | None = None) -> int:
     started = datetime.datetime.now(datetime.timezone.utc)
     machine = machine_info(("trio", "msgspec"))
     result = benchmark(args)
-    finished = datetime.datetime.now(datetime.timezone.utc)
-    doc = {"benchmark": "publish", "timestamp": started.isoformat(), "finished_at": finished.isoformat(),
-           "duration_s": round((finished - started).total_seconds(), 1), "machine": machine,
-           "parameters": {k: v for k, v in vars(args).items() if k != "output"} | {"output": str(args.output)},
-           **result}
+    write_document("publish", started, machine, args, result)
     print()
     for shape in result["shapes"].values():
         print(f"run of {shape['run_length']:>3}: hub {shape['hub_ms']['median']} ms, ceiling "
               f"{shape['ceiling_ms']['median']} ms of thread CPU per publication to {args.subscribers}: "
               f"{shape['ratio']['median']}x [{shape['ratio']['min']}-{shape['ratio']['max']}], "
               f"{shape['extra_us_per_subscriber']['median']} us more per subscriber")
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {args.output}")
     return 0
 

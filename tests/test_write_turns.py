@@ -127,11 +127,15 @@ async def test_sends_that_arrive_while_the_workspace_commits_share_one_batch(app
                     for slug in ("turn-a", "turn-b", "turn-c")]
     late = _sends(channels[2]["id"], 5, "c", workspace_id=alpha.workspace_id)
     async with contextlib.AsyncExitStack() as stack:
-        # Each send on a connection of its own: none waits for another's reply.
-        ws_a, ws_b, *ws_late = [await stack.enter_async_context(trio_websocket.open_websocket_url(app.url))
-                                for _ in range(2 + len(late))]
-        for ws in (ws_a, ws_b, *ws_late):
+        # Each send on a connection of its own: none waits for another's reply.  Each signs
+        # in as it opens: a login hashes a password, and on a busy machine the last of seven
+        # opened first could pass the server's authentication timeout.
+        connections = []
+        for _ in range(2 + len(late)):
+            ws = await stack.enter_async_context(trio_websocket.open_websocket_url(app.url))
             await _auth(ws, {"op": "login", "email": bob.email, "password": bob.password})
+            connections.append(ws)
+        ws_a, ws_b, *ws_late = connections
         first_a, first_b = (_sends(channel["id"], 1, slug, workspace_id=alpha.workspace_id)
                             for channel, slug in zip(channels, ("a", "b")))
         async with _slow_commits(app.db, 1.0):
