@@ -78,9 +78,9 @@ class Sink(Protocol):
     def admit_run(self, run: EventRun, write: bool = False) -> bytes | None:
         """A run the member is entitled to: its frames in one piece when they all
         go out now, exactly in order after what this sink sent last — and, when
-        `write`, already written (one call per subscriber of a publication that is
-        this run alone); else None, and the hub hands the run's events to admit()
-        one by one."""
+        `write`, already written, or gathered to be written when the hub calls
+        `flush_writes` (one call per subscriber of a publication that is this run
+        alone); else None, and the hub hands the run's events to admit() one by one."""
 
     def write(self, frames: list[bytes]) -> None:
         """Write admitted frames, in order."""
@@ -99,6 +99,9 @@ class FanoutHub:
     def __init__(self) -> None:
         # Also handed every publication, for other nodes (server/cluster_fanout.py).
         self.relay: Callable[[list[tuple[CommittedEvent, Any]]], None] | None = None
+        # Called at the end of every publication: sinks may gather their writes until then
+        # (server/send_ring.py).
+        self.flush_writes: Callable[[], None] | None = None
         self._by_scope: dict[str, set[Subscription]] = defaultdict(set)
         self._by_workspace: dict[str, set[Subscription]] = defaultdict(set)
         self.published = 0
@@ -163,6 +166,15 @@ class FanoutHub:
         (or the event's own audience).  A batch of events leaves in one write
         per connection.  Never blocks.  Unless it came from another node
         (`relay=False`), the publication then goes to the relay too."""
+        try:
+            self._deliver(items)
+        finally:
+            if self.flush_writes is not None:
+                self.flush_writes()
+        if relay and self.relay is not None:
+            self.relay(items)
+
+    def _deliver(self, items: list[tuple[CommittedEvent, frozenset[str] | set[str] | None]]) -> None:
         runs = list(_runs(items))
         # One run (nearly every publication): each subscriber is written as soon as it is
         # served.  Several: gathered, so that a connection gets the batch in one write.
@@ -226,8 +238,6 @@ class FanoutHub:
                 subscription.sink.write(frames)
         self.delivered += delivered
         self.delivered_bytes += delivered_bytes
-        if relay and self.relay is not None:
-            self.relay(items)
 
 
 def _runs(items: list[tuple[CommittedEvent, frozenset[str] | set[str] | None]]):

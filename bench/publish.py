@@ -14,13 +14,17 @@ Per repeat, --publications times, alternating:
 
   hub       `FanoutHub.publish_many` of one publication — a lone message, or a run of
             --run-length consecutive messages (the shape a busy scope's batch publishes) —
-            to every subscriber: admission, cursors and the write;
+            to every subscriber: admission, cursors and the write, the writes gathered
+            and sent through io_uring in one call (server/send_ring.py, the server's
+            default where the kernel allows it);
+  send hub  the same with one `send()` per subscriber (`--fanout-writes send`);
   ceiling   a bare loop of `socket.send` of the same bytes to the same sockets.
 
 Each side's thread CPU per publication (time.thread_time: not the time spent waiting
 for a core) is the median over the repeat's publications; reported: hub ÷ ceiling per
 repeat and its median with the spread, and the extra CPU per subscriber.  The ceiling is
-the floor of what any server pays for these writes from Python.
+the floor of what a server pays for these writes from Python with one `send()` each;
+the io_uring hub can go below it (fewer system calls and no Python per send).
 
     python -m bench.publish                 # 5 repeats, lone messages and runs of 25
     python -m bench.publish --quick         # smoke run
@@ -47,6 +51,7 @@ import protocol.frames  # noqa: E402,F401 - the protocol modules' import order, 
 from actors.fanout import CommittedEvent, FanoutHub  # noqa: E402
 from bench.common import machine_info, spread, write_document  # noqa: E402
 from server.realtime import PushState  # noqa: E402
+from server.send_ring import PublicationWrites, SendRing  # noqa: E402
 from server.transport import WebSocket  # noqa: E402
 from server.wire import server_frame  # noqa: E402
 
@@ -97,9 +102,12 @@ def _connections(count: int) -> tuple[list[socket.socket], subprocess.Popen]:
     return accepted, drain
 
 
-def _subscribers(hub: FanoutHub, socks: list[socket.socket]) -> None:
+def _subscribers(hub: FanoutHub, socks: list[socket.socket], writes: PublicationWrites | None) -> None:
     config = types.SimpleNamespace(push_buffer_bytes=1 << 22, push_buffer_events=10_000)
-    server = types.SimpleNamespace(hub=hub, config=config, metrics=types.SimpleNamespace(push_gap_replays=0))
+    server = types.SimpleNamespace(hub=hub, config=config, metrics=types.SimpleNamespace(push_gap_replays=0),
+                                   publication_writes=writes)
+    if writes is not None:
+        hub.flush_writes = writes.flush
     for index, sock in enumerate(socks):
         ws = WebSocket(sock, None, None, spawn=lambda *a, **k: None, max_message_bytes=1 << 20, close_grace=1.0)
         push = PushState(server, types.SimpleNamespace(ws=ws, id=f"conn{index}"), WORKSPACE,
@@ -117,58 +125,68 @@ def _events(first_seq: int, count: int, frame: bytes) -> list[CommittedEvent]:
     return events
 
 
-def measure(hub: FanoutHub, socks: list[socket.socket], frame: bytes, run_length: int, publications: int,
-            next_seq: int, gap_s: float) -> tuple[dict[str, float], int]:
-    """One repeat: `publications` hub publications and as many bare send loops, alternating."""
+def measure(hubs: dict[str, FanoutHub], socks: list[socket.socket], frame: bytes, run_length: int,
+            publications: int, next_seq: int, gap_s: float) -> tuple[dict[str, float], int]:
+    """One repeat: `publications` publications of each hub and as many bare send loops, alternating."""
     roster = frozenset(MEMBERS)
-    hub_ns, ceiling_ns = [], []
+    spent: dict[str, list[int]] = {side: [] for side in (*hubs, "ceiling")}
     joined = frame * run_length
     for _ in range(publications):
-        items = [(event, roster) for event in _events(next_seq, run_length, frame)]
+        for side, hub in hubs.items():
+            items = [(event, roster) for event in _events(next_seq, run_length, frame)]
+            started = time.thread_time_ns()
+            hub.publish_many(items)
+            spent[side].append(time.thread_time_ns() - started)
+            time.sleep(gap_s)  # the readers drain: every write finds an empty socket, as at a low rate
         next_seq += run_length
-        started = time.thread_time_ns()
-        hub.publish_many(items)
-        hub_ns.append(time.thread_time_ns() - started)
-        time.sleep(gap_s)  # the readers drain: every write finds an empty socket, as at a low rate
         started = time.thread_time_ns()
         for sock in socks:
             sock.send(joined)
-        ceiling_ns.append(time.thread_time_ns() - started)
+        spent["ceiling"].append(time.thread_time_ns() - started)
         time.sleep(gap_s)
-    hub_ms, ceiling_ms = statistics.median(hub_ns) / 1e6, statistics.median(ceiling_ns) / 1e6
-    return {"hub_ms": round(hub_ms, 3), "ceiling_ms": round(ceiling_ms, 3),
-            "ratio": round(hub_ms / ceiling_ms, 3),
-            "extra_us_per_subscriber": round((hub_ms - ceiling_ms) * 1e3 / len(socks), 3)}, next_seq
+    ms = {side: statistics.median(values) / 1e6 for side, values in spent.items()}
+    result = {"ceiling_ms": round(ms["ceiling"], 3)}
+    for side in hubs:
+        prefix = "" if side == "hub" else "send_"
+        result.update({f"{prefix}hub_ms": round(ms[side], 3), f"{prefix}ratio": round(ms[side] / ms["ceiling"], 3),
+                       f"{prefix}extra_us_per_subscriber": round((ms[side] - ms["ceiling"]) * 1e3 / len(socks), 3)})
+    return result, next_seq
 
 
 def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     socks, drain = _connections(args.subscribers)
     try:
-        hub = FanoutHub()
-        _subscribers(hub, socks)
+        try:
+            writes = PublicationWrites(SendRing.open())
+        except OSError as exc:
+            log(f"io_uring unavailable ({exc}): only the send() hub is measured")
+            writes = None
+        # Two hubs, each with its own PushStates on the same sockets: "hub" as the server runs
+        # by default (io_uring where it can), "send hub" with one send() per subscriber.
+        hubs = {"hub": FanoutHub(), "send_hub": FanoutHub()} if writes is not None else {"send_hub": FanoutHub()}
+        for side, hub in hubs.items():
+            _subscribers(hub, socks, writes if side == "hub" else None)
         frame = server_frame(b"x" * args.payload_bytes, binary=False)
         shapes: dict[str, Any] = {}
         next_seq = 1
         for run_length in args.run_lengths:
-            measure(hub, socks, frame, run_length, 20, next_seq, args.gap)  # warm-up
-            next_seq += 20 * run_length
+            _, next_seq = measure(hubs, socks, frame, run_length, 20, next_seq, args.gap)  # warm-up
             repeats = []
             for repeat in range(args.repeats):
-                result, next_seq = measure(hub, socks, frame, run_length, args.publications, next_seq, args.gap)
+                result, next_seq = measure(hubs, socks, frame, run_length, args.publications, next_seq, args.gap)
                 repeats.append(result)
-                log(f"run of {run_length}, repeat {repeat}: hub {result['hub_ms']} ms, ceiling "
-                    f"{result['ceiling_ms']} ms per publication: {result['ratio']}x")
-            shapes[str(run_length)] = {
-                "run_length": run_length, "repeats": repeats,
-                "hub_ms": spread([r["hub_ms"] for r in repeats]),
-                "ceiling_ms": spread([r["ceiling_ms"] for r in repeats]),
-                "ratio": spread([r["ratio"] for r in repeats]),
-                "extra_us_per_subscriber": spread([r["extra_us_per_subscriber"] for r in repeats]),
-            }
-        assert all(push.sink.scope_cursors[SCOPE] == next_seq - 1 for push in hub._by_scope[SCOPE]), \
-            "a subscriber missed a publication"
-        return {"frame_bytes": len(frame), "shapes": shapes}
+                log(f"run of {run_length}, repeat {repeat}: " + ", ".join(
+                    f"{side} {result[side + '_ms']} ms" for side in ("hub", "send_hub", "ceiling") if side + "_ms"
+                    in result) + " per publication")
+            shapes[str(run_length)] = {"run_length": run_length, "repeats": repeats,
+                                       **{key: spread([r[key] for r in repeats]) for key in repeats[0]}}
+        for hub in hubs.values():
+            assert all(push.sink.scope_cursors[SCOPE] == next_seq - 1 for push in hub._by_scope[SCOPE]), \
+                "a subscriber missed a publication"
+        return {"frame_bytes": len(frame), "io_uring": writes is not None, "shapes": shapes}
     finally:
+        if writes is not None:
+            writes.close()
         drain.kill()
         drain.wait()
         for sock in socks:
@@ -200,10 +218,14 @@ def main(argv: list[str] | None = None) -> int:
     write_document("publish", started, machine, args, result)
     print()
     for shape in result["shapes"].values():
-        print(f"run of {shape['run_length']:>3}: hub {shape['hub_ms']['median']} ms, ceiling "
-              f"{shape['ceiling_ms']['median']} ms of thread CPU per publication to {args.subscribers}: "
-              f"{shape['ratio']['median']}x [{shape['ratio']['min']}-{shape['ratio']['max']}], "
-              f"{shape['extra_us_per_subscriber']['median']} us more per subscriber")
+        for prefix, label in (("", "hub (io_uring)"), ("send_", "hub (send)")):
+            if f"{prefix}hub_ms" not in shape:
+                continue
+            ratio = shape[f"{prefix}ratio"]
+            print(f"run of {shape['run_length']:>3}: {label} {shape[prefix + 'hub_ms']['median']} ms, ceiling "
+                  f"{shape['ceiling_ms']['median']} ms of thread CPU per publication to {args.subscribers}: "
+                  f"{ratio['median']}x [{ratio['min']}-{ratio['max']}], "
+                  f"{shape[prefix + 'extra_us_per_subscriber']['median']} us more per subscriber")
     print(f"wrote {args.output}")
     return 0
 

@@ -45,6 +45,7 @@ from server import transport
 from server.attachments import Attachments
 from server.cluster import ClusterNode, link_key
 from server.parking import ParkingLot
+from server.send_ring import PublicationWrites, SendRing
 from server.auth import Authenticator, CachedContext
 from server.config import ServerConfig
 from server.context import Principal
@@ -197,6 +198,8 @@ class Server:
     listeners: list[trio.SocketListener] | None = None
     # Starts a task next to the connection tasks (flushes, replays); set while serving.
     spawn: Callable[..., Any] | None = None
+    # A publication's gathered sends through io_uring (server/send_ring.py); set while serving.
+    publication_writes: PublicationWrites | None = None
     _edition: str | None = None
     # Subscribes answered at once, one per pooled database connection.  A reconnect storm
     # sends thousands together; answered all at once, each holds its request state (the
@@ -243,6 +246,7 @@ class Server:
         shutdown grace), let the scope actors finish what they hold (commands other
         nodes forwarded here among them; bounded by the grace too), then stop them."""
         warn_if_descriptors_short(self.config.max_connections)
+        self._open_send_ring()
         stop = trio.Event()
         # Cancelling run() must not reach the services at once: connections still run their
         # closing handshakes and actors their queued commands.  So they are shielded, and a
@@ -256,6 +260,21 @@ class Server:
                     await self._run_services(stop, task_status)
             finally:
                 outer.cancel_scope.cancel()
+                if self.publication_writes is not None:
+                    self.hub.flush_writes = None
+                    self.publication_writes.close()
+                    self.publication_writes = None
+
+    def _open_send_ring(self) -> None:
+        if self.config.fanout_writes != "io_uring" or self.publication_writes is not None:
+            return
+        try:
+            ring = SendRing.open()
+        except OSError as exc:
+            log.info("io_uring unavailable; fanout writes use one send() per connection", extra={"why": str(exc)})
+            return
+        self.publication_writes = PublicationWrites(ring)
+        self.hub.flush_writes = self.publication_writes.flush
 
     async def _stop_when_cancelled(self, stop: trio.Event, services: trio.CancelScope) -> None:
         try:

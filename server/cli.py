@@ -130,6 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
             ("--search-candidate-budget", "SEARCH_CANDIDATE_BUDGET", "1000",
              "matching messages one message.search examines before the readable predicate")):
         serve.add_argument(flag, type=float, default=float(_env(env, default)), help=f"{text} (default: %(default)s)")
+    serve.add_argument("--fanout-writes", choices=("io_uring", "send"), default=_env("FANOUT_WRITES", "io_uring"),
+                       help="how a publication reaches the subscribed connections in step: io_uring sends "
+                            "them in one system call where the kernel allows it (else send), send uses one "
+                            "send() per connection (default: %(default)s)")
     serve.add_argument("--attachments-dir", type=Path, default=_env("ATTACHMENTS_DIR"),
                        help="where uploads are staged and, with the local driver, stored "
                             "(default: DATA_DIR/attachments)")
@@ -259,6 +263,7 @@ def server_config_from(args: argparse.Namespace) -> ServerConfig:
                         push_buffer_bytes=int(args.push_buffer_bytes),
                         push_buffer_events=int(args.push_buffer_events),
                         push_timeout_seconds=args.push_timeout,
+                        fanout_writes=args.fanout_writes,
                         delivery_lease_seconds=args.delivery_lease_seconds,
                         delivery_retention_hours=args.delivery_retention_hours,
                         service_account_audience_batch=int(args.service_account_audience_batch),

@@ -60,6 +60,9 @@ class ServerConfig:
     push_buffer_bytes: int = 1024 * 1024
     push_buffer_events: int = 1024
     push_timeout_seconds: float = 10.0
+    # "io_uring": a publication's sends to the connections in step go to the kernel in
+    # one call where the kernel allows it (server/send_ring.py); "send": one send() each.
+    fanout_writes: str = "io_uring"
     max_subscriptions_per_connection: int = 100
     # Limits: commands per connection (token bucket), connections per member,
     # ping/pong heartbeat and idle timeout.

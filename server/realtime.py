@@ -74,7 +74,8 @@ class PushState:
     """One connection's subscriptions, cursors and delivery (the hub's Sink)."""
 
     __slots__ = ("server", "connection", "workspace_id", "member_id", "subscription", "scope_cursors",
-                 "global_cursor", "_skipped_ahead", "_ws", "_binary", "_buffer_limit", "_backlog", "_catch_up_due")
+                 "global_cursor", "_skipped_ahead", "_ws", "_binary", "_buffer_limit", "_backlog", "_catch_up_due",
+                 "_writes")
 
     def __init__(self, server: Server, connection: Connection, workspace_id: str, member_id: str) -> None:
         self.server = server
@@ -91,6 +92,8 @@ class PushState:
         self._ws = connection.ws
         self._binary = connection.ws.binary
         self._buffer_limit = server.config.push_buffer_bytes
+        # The node's gathered writes of a publication (server/send_ring.py), if it has them.
+        self._writes = server.publication_writes
         # Not None while the replay task owns delivery: live events wait here.
         self._backlog: deque[CommittedEvent] | None = None
         self._catch_up_due = False
@@ -131,9 +134,21 @@ class PushState:
         frames = run.frames.get(self._binary)
         if frames is None:
             frames = run.frames[self._binary] = b"".join([shared_frame(e, self._binary) for e in run.events])
-        if write and self._ws.write_now(frames) > self._buffer_limit:
-            self.cut_off("slow_consumer: send buffer overflow")
+        if write:
+            if self._writes is not None and self._ws.sends_now:
+                self._writes.add(self._ws.fileno(), self, frames)  # sent when the publication is over
+            else:
+                self.send_now(frames)
         return frames
+
+    def send_now(self, frames: bytes) -> None:
+        if self._ws.write_now(frames) > self._buffer_limit:
+            self.cut_off("slow_consumer: send buffer overflow")
+
+    def sent(self, frames: bytes, result: int) -> None:
+        """What a gathered send did (bytes taken, or -errno): the rest is queued."""
+        if self._ws.sent(frames, result) > self._buffer_limit:
+            self.cut_off("slow_consumer: send buffer overflow")
 
     def _advance(self, event: CommittedEvent) -> bool | None:
         """Move the cursor over a live message: True (next in order), False (a

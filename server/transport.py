@@ -125,6 +125,11 @@ class WebSocket:
         self._write(frames)
         return True
 
+    @property
+    def sends_now(self) -> bool:
+        """Whether a write would go straight to the kernel: open, nothing queued."""
+        return not (self._out or self._closing or self._closed)
+
     def write_now(self, data: bytes, control: bool = False) -> int:
         """`write` of whole frames already joined, for the fanout's one call per
         subscriber: the bytes still queued after them (the backlog), or -1 if the
@@ -142,6 +147,17 @@ class WebSocket:
         except OSError:
             self.abort()
             return -1
+        return self.sent(data, sent) if sent < len(data) else 0
+
+    def sent(self, data: bytes, sent: int) -> int:
+        """After a send of `data` made elsewhere (server/send_ring.py) while `sends_now`:
+        `sent` bytes taken, or -errno.  Queues the rest; the backlog, or -1 if the
+        send failed (the connection is dropped)."""
+        if sent < 0:
+            if sent not in (-errno.EAGAIN, -errno.EWOULDBLOCK):
+                self.abort()
+                return -1
+            sent = 0
         if sent < len(data):
             self._out += memoryview(data)[sent:]
             if not self._flushing:

@@ -26,6 +26,12 @@ from tests.test_transport import RawClient
 from tests.test_tenancy import expect_error, signed_in
 
 
+# Both ways a publication reaches the connections in step (server/send_ring.py).
+BOTH_FANOUT_WRITES = pytest.mark.parametrize("server_config", [{"fanout_writes": "io_uring"},
+                                                               {"fanout_writes": "send"}],
+                                             indirect=True, ids=["io_uring", "send"])
+
+
 async def events_for(conn, count: int, kind: str = "message.created") -> list[dict]:
     received = []
     with trio.fail_after(15):
@@ -36,8 +42,10 @@ async def events_for(conn, count: int, kind: str = "message.created") -> list[di
     return received
 
 
+@BOTH_FANOUT_WRITES
 async def test_scope_subscribers_get_every_message_once_in_order(app: App, tenants, member_password_hash):
     alpha, _ = tenants
+    assert (app.server.publication_writes is not None) == (app.server.config.fanout_writes == "io_uring")
     ws = {"workspace_id": alpha.workspace_id}
     bob = await add_person(app.db, alpha.workspace_id, "bob@example.com", "developer", member_password_hash)
     async with await signed_in(app, alpha.owner) as owner, await signed_in(app, bob) as listener:
@@ -225,10 +233,12 @@ async def test_subscriptions_need_authentication_and_entitlement(app: App, tenan
 
 
 @pytest.fixture
-def server_config() -> ServerConfig:
+def server_config(request: pytest.FixtureRequest) -> ServerConfig:
     # A long close grace: a slow consumer that reads again within it sees its 4408.
-    return ServerConfig(port=0, auth_timeout_seconds=2.0, expiry_sweep_seconds=0.5, shutdown_grace_seconds=30.0,
-                        push_buffer_events=8, push_timeout_seconds=1.0)
+    return ServerConfig(**{"port": 0, "auth_timeout_seconds": 2.0, "expiry_sweep_seconds": 0.5,
+                           "shutdown_grace_seconds": 30.0, "push_buffer_events": 8, "push_timeout_seconds": 1.0,
+                           **getattr(request, "param", {})})
+
 
 
 async def open_stuck_client(app: App) -> RawClient:
@@ -243,6 +253,7 @@ async def open_stuck_client(app: App) -> RawClient:
     return client
 
 
+@BOTH_FANOUT_WRITES
 async def test_a_stalled_client_is_cut_off_with_4408_and_others_keep_up(app: App, tenants):
     """Two clients read nothing: `unbounded` may buffer everything (so it is never
     cut off and any blocking write to it would stall the publisher for the whole
@@ -259,13 +270,7 @@ async def test_a_stalled_client_is_cut_off_with_4408_and_others_keep_up(app: App
         channel = await open_channel(owner, alpha.workspace_id, "firehose")
 
         async def stalled_subscriber():
-            stuck = await open_stuck_client(app)
-            for request in ({"op": "login", "id": "1", "email": alpha.owner.email, "password": alpha.owner.password},
-                            {"op": "subscribe", "id": "2", "scopes": [{"scope_id": channel["id"]}], **ws}):
-                await stuck.send(Message(data=json.dumps(request)))
-                while (await stuck.next_message()).get("id") != request["id"]:
-                    pass
-            return stuck
+            return await subscribe_stuck(app, alpha.owner, channel["id"], ws)
 
         default_config = app.server.config
         app.server.config = dataclasses.replace(default_config, push_buffer_bytes=64 << 20)
@@ -299,6 +304,55 @@ async def test_a_stalled_client_is_cut_off_with_4408_and_others_keep_up(app: App
                 assert isinstance(event, TextMessage)
         assert event.code == frames.CLOSE_SLOW_CONSUMER
         await bounded.stream.aclose()
+
+
+async def subscribe_stuck(app: App, person, scope_id: str, ws: dict) -> RawClient:
+    """A stuck client (open_stuck_client) signed in as `person`, subscribed to the scope."""
+    stuck = await open_stuck_client(app)
+    for request in ({"op": "login", "id": "1", "email": person.email, "password": person.password},
+                    {"op": "subscribe", "id": "2", "scopes": [{"scope_id": scope_id}], **ws}):
+        await stuck.send(Message(data=json.dumps(request)))
+        while (await stuck.next_message()).get("id") != request["id"]:
+            pass
+    return stuck
+
+
+@BOTH_FANOUT_WRITES
+async def test_the_publication_that_overflows_a_connection_cuts_it_off(app: App, tenants):
+    """A connection's push buffer is checked right after the send that passed it (a
+    gathered send's short count or EAGAIN included), not at a later publication:
+    once a send is acknowledged its publication is over, and then every subscribed
+    connection holds at most its push buffer unsent, or is closing with 4408 after
+    what it holds."""
+    alpha, _ = tenants
+    ws = {"workspace_id": alpha.workspace_id}
+    async with await signed_in(app, alpha.owner) as owner:
+        channel = await open_channel(owner, alpha.workspace_id, "overflow")
+        config = app.server.config
+        app.server.config = dataclasses.replace(config, push_buffer_bytes=0)  # fixed when it subscribes
+        stuck = await subscribe_stuck(app, alpha.owner, channel["id"], ws)
+        app.server.config = config
+        [subscribed] = [c for c in app.server.connections.all if c.push is not None]
+        # Once it has the first message it is in step (its cursor moves with each publication).
+        await owner.call("message.send", scope_id=channel["id"], content="first", **ws)
+        while (await stuck.next_message()).get("event") != "message.created":
+            pass
+        for sent in range(1, 500):
+            await owner.call("message.send", scope_id=channel["id"], content="x" * 30_000, **ws)
+            assert subscribed.ws.backlog == 0 or subscribed.ws.closing, sent
+            if subscribed.ws.closing:
+                break
+        else:
+            pytest.fail("never cut off")
+        received, text = 0, ""
+        with trio.fail_after(20):
+            while not isinstance(event := await stuck.next_event(), CloseConnection):
+                text += event.data
+                if event.message_finished:
+                    received += json.loads(text).get("event") == "message.created"
+                    text = ""
+        assert event.code == frames.CLOSE_SLOW_CONSUMER and received == sent
+        await stuck.stream.aclose()
 
 
 async def test_a_database_failure_during_a_replay_closes_unavailable_not_slow_consumer(app: App, tenants,
