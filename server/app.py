@@ -275,6 +275,7 @@ class Server:
             return
         self.publication_writes = PublicationWrites(ring)
         self.hub.flush_writes = self.publication_writes.flush
+        log.info("fanout writes go through io_uring")
 
     async def _stop_when_cancelled(self, stop: trio.Event, services: trio.CancelScope) -> None:
         try:

@@ -223,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--node-lease-seconds must be at least 1 and --forward-port 0-65535")
     if args.command == "serve" and args.forward_host in ("0.0.0.0", "::", "") and not args.forward_advertise:
         parser.error("--forward-host on every interface needs --forward-advertise (the address other nodes dial)")
+    if args.command == "serve" and args.fanout_writes not in ("io_uring", "send"):
+        parser.error("--fanout-writes (SCOPEWIRE_FANOUT_WRITES) takes io_uring or send")
     if args.command == "serve" and args.bus == "nats" and not args.nats_url:
         parser.error("--bus nats needs --nats-url")
     logs.configure(getattr(args, "log_level", "warning"))
