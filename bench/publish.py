@@ -163,7 +163,8 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
             writes = None
         # Two hubs, each with its own PushStates on the same sockets: "hub" as the server runs
         # by default (io_uring where it can), "send hub" with one send() per subscriber.
-        hubs = {"hub": FanoutHub(), "send_hub": FanoutHub()} if writes is not None else {"send_hub": FanoutHub()}
+        # Without io_uring the server's default is the send hub: that is "hub" then.
+        hubs = {"hub": FanoutHub(), "send_hub": FanoutHub()} if writes is not None else {"hub": FanoutHub()}
         for side, hub in hubs.items():
             _subscribers(hub, socks, writes if side == "hub" else None)
         frame = server_frame(b"x" * args.payload_bytes, binary=False)
@@ -218,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     write_document("publish", started, machine, args, result)
     print()
     for shape in result["shapes"].values():
-        for prefix, label in (("", "hub (io_uring)"), ("send_", "hub (send)")):
+        for prefix, label in (("", "hub (io_uring)" if result["io_uring"] else "hub (send)"), ("send_", "hub (send)")):
             if f"{prefix}hub_ms" not in shape:
                 continue
             ratio = shape[f"{prefix}ratio"]

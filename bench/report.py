@@ -186,10 +186,14 @@ def publish() -> Iterator[Figure]:
     subscribers = doc["parameters"]["subscribers"]
     for shape in doc["shapes"].values():
         what = "a lone message" if shape["run_length"] == 1 else f"a run of {shape['run_length']} messages"
-        yield Figure(name, f"thread CPU of one publication of {what} to {subscribers:,} loopback subscribers",
+        how = "sends through io_uring" if doc.get("io_uring") else "one `send()` each"
+        send_hub = (f"; with one `send()` each {_spread(shape['send_hub_ms'], ' ms')}, "
+                    f"ratio {_spread(shape['send_ratio'], '×')}" if "send_hub_ms" in shape else "")
+        yield Figure(name, f"thread CPU of one publication of {what} to {subscribers:,} loopback subscribers "
+                           f"({how})",
                      _spread(shape["hub_ms"], " ms"),
                      f"bare `send()` loop to the same sockets {_spread(shape['ceiling_ms'], ' ms')}; "
-                     f"ratio {_spread(shape['ratio'], '×')}", "—", "—")
+                     f"ratio {_spread(shape['ratio'], '×')}{send_hub}", "—", "—")
 
 
 def broadcast() -> Iterator[Figure]:

@@ -261,12 +261,10 @@ class Server:
             finally:
                 outer.cancel_scope.cancel()
                 if self.publication_writes is not None:
-                    self.hub.flush_writes = None
-                    self.publication_writes.close()
-                    self.publication_writes = None
+                    self.publication_writes.close()  # anything published later goes out with send()
 
     def _open_send_ring(self) -> None:
-        if self.config.fanout_writes != "io_uring" or self.publication_writes is not None:
+        if self.config.fanout_writes != "io_uring":
             return
         try:
             ring = SendRing.open()

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import mmap
 import os
 import socket
-import logging
 import struct
 from array import array
 from typing import Protocol
@@ -56,7 +56,7 @@ class SendRing:
     def __init__(self, fd: int, params: tuple[int, ...]) -> None:
         self._fd = fd
         entries, cq_entries, features = params[0], params[1], params[5]
-        (sq_head, sq_tail, sq_mask, _, _, _, sq_array, _, _,
+        (_, sq_tail, sq_mask, _, _, _, sq_array, _, _,
          cq_head, cq_tail, cq_mask, _, _, cqes, _, _, _) = params[10:]
         sq_bytes = sq_array + entries * 4
         cq_bytes = cqes + cq_entries * _CQE_BYTES
@@ -75,7 +75,6 @@ class SendRing:
         self._cq_mask = cq[cq_mask // 4]
         self._sq_tail = sq_tail // 4
         self._cq_head, self._cq_tail = cq_head // 4, cq_tail // 4
-        del sq_head  # the kernel's; entries are consumed by the call that submits them
         # Entry i of the submission queue is always entry i of the array of entries, and
         # every entry is a send whose user_data is its own index: per call only the file
         # descriptors, the buffer's address and its length are written.
@@ -160,30 +159,35 @@ class SendRing:
                 self._sqe64[at * 8 + 2:end // 2:8] = array("Q", [address]) * len(part)
                 self._sqe32[at * 16 + 6:end:16] = array("I", [size]) * len(part)
         sq[self._sq_tail] = (tail + count) & _U32
-        submitted = self._enter(count, count)
-        if submitted < 0:
-            submitted = 0
+        submitted = max(self._enter(count, count), 0)
         cq = self._cq
         head = cq[self._cq_head]
-        while (cq[self._cq_tail] - head) & _U32 < submitted:
+        completed = (cq[self._cq_tail] - head) & _U32
+        while completed < submitted:
             # Inline sends complete before the call returns; a signal may end the wait early.
-            self._enter(0, submitted - ((cq[self._cq_tail] - head) & _U32))
+            if self._enter(0, submitted - completed) < 0 and ctypes.get_errno() != errno.EINTR:
+                break
+            completed = (cq[self._cq_tail] - head) & _U32
+        completed = min(completed, submitted)
         slot = head & self._cq_mask
-        stretches = [(slot, min(submitted, self._cq_mask + 1 - slot))]
-        if stretches[0][1] < submitted:
-            stretches.append((0, submitted - stretches[0][1]))
+        stretches = [(slot, min(completed, self._cq_mask + 1 - slot))]
+        if stretches[0][1] < completed:
+            stretches.append((0, completed - stretches[0][1]))
         taken = [self._cqe_res[at:at + n].tolist() for at, n in stretches]
         results = None
-        if submitted != count or sum(part.count(size) for part in taken) != count:
-            results = [None] * count
+        if completed != count or sum(part.count(size) for part in taken) != count:
+            # The queue's first `submitted` entries went to the kernel: without a completion
+            # a send's outcome is unknown, and its connection is dropped (-EIO; the client
+            # resumes from its cursors).  The rest were never sent (None).
+            results = [-errno.EIO] * submitted + [None] * (count - submitted)
             for (at, n), part in zip(stretches, taken):
                 for index, result in zip(self._cqe_data[at:at + n].tolist(), part):
                     results[(index - first) & mask] = result
-        cq[self._cq_head] = (head + submitted) & _U32
-        if submitted != count:
+        cq[self._cq_head] = (head + completed) & _U32
+        if completed != count:
             # Never seen with sockets that are not waited on.  The queue would still hold
             # the entries not taken, and a later call would send them again: the ring is done.
-            raise RingBroken(f"io_uring_enter took {submitted} of {count} sends", results)
+            raise RingBroken(f"io_uring took {submitted} of {count} sends, completed {completed}", results)
         return results
 
     def _enter(self, submit: int, wait: int) -> int:
@@ -192,8 +196,8 @@ class SendRing:
 
 
 class RingBroken(Exception):
-    """The kernel did not take every send: `results` as SendRing.send's, None for a
-    send that did not happen."""
+    """The kernel did not take or complete every send: `results` as SendRing.send's,
+    None for a send that did not happen."""
 
     def __init__(self, message: str, results: list[int | None]) -> None:
         super().__init__(message)
