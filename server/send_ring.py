@@ -18,6 +18,7 @@ a seccomp profile), `SendRing.open()` raises OSError and the caller keeps one
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import logging
@@ -106,14 +107,38 @@ class SendRing:
         return ring
 
     def _check(self) -> None:
-        """One real send, through a socket pair: the kernel may set up a ring and
-        still not support sends in it, or a seccomp profile may refuse the call."""
+        """Real sends through a socket pair: the kernel may set up a ring and still
+        not support sends in it, or a seccomp profile may refuse the call; and a
+        send to a full socket must fail at once (-EAGAIN), not wait in the kernel
+        for room — where it would, a stalled client would stall every publication."""
         left, right = socket.socketpair()
         try:
             left.setblocking(False)
             results = self.send([left.fileno()], b"ok")
             if results is not None or right.recv(2) != b"ok":
                 raise OSError(errno.EOPNOTSUPP, f"io_uring send: {results}")
+            with contextlib.suppress(BlockingIOError):
+                while True:
+                    left.send(bytes(65536))
+            # Submitted without waiting for its completion, which must be there already.
+            self._fill(self._sq[self._sq_tail] & self._sq_mask, [left.fileno()],
+                       ctypes.cast(ctypes.c_char_p(b"x"), ctypes.c_void_p).value, 1)
+            self._sq[self._sq_tail] = (self._sq[self._sq_tail] + 1) & _U32
+            if self._enter(1, 0) != 1:
+                raise OSError(ctypes.get_errno() or errno.EIO, "io_uring_enter refused a send")
+            head = self._cq[self._cq_head]
+            if self._cq[self._cq_tail] == head:
+                right.setblocking(False)
+                with contextlib.suppress(BlockingIOError):
+                    while right.recv(1 << 20):  # the send waits for room: make it and let it finish
+                        pass
+                self._enter(0, 1)
+                self._cq[self._cq_head] = (head + 1) & _U32
+                raise OSError(errno.EOPNOTSUPP, "io_uring sends to a full socket wait instead of failing")
+            result = self._cqe_res[head & self._cq_mask]
+            self._cq[self._cq_head] = (head + 1) & _U32
+            if result != -errno.EAGAIN:
+                raise OSError(errno.EOPNOTSUPP, f"io_uring send to a full socket: {result}")
         finally:
             left.close()
             right.close()
@@ -151,13 +176,7 @@ class SendRing:
         count, sq, mask = len(fds), self._sq, self._sq_mask
         tail = sq[self._sq_tail]
         first = tail & mask
-        # The queue's positions wrap: at most two contiguous stretches of entries.
-        for at, part in ((first, fds[:self.entries - first]), (0, fds[self.entries - first:])):
-            if part:
-                end = (at + len(part)) * 16
-                self._sqe32[at * 16 + 1:end:16] = array("I", part)
-                self._sqe64[at * 8 + 2:end // 2:8] = array("Q", [address]) * len(part)
-                self._sqe32[at * 16 + 6:end:16] = array("I", [size]) * len(part)
+        self._fill(first, fds, address, size)
         sq[self._sq_tail] = (tail + count) & _U32
         submitted = max(self._enter(count, count), 0)
         cq = self._cq
@@ -189,6 +208,16 @@ class SendRing:
             # the entries not taken, and a later call would send them again: the ring is done.
             raise RingBroken(f"io_uring took {submitted} of {count} sends, completed {completed}", results)
         return results
+
+    def _fill(self, first: int, fds: list[int], address: int, size: int) -> None:
+        """Sends of `size` bytes at `address` to `fds`, in the entries from queue position `first`."""
+        # The queue's positions wrap: at most two contiguous stretches of entries.
+        for at, part in ((first, fds[:self.entries - first]), (0, fds[self.entries - first:])):
+            if part:
+                end = (at + len(part)) * 16
+                self._sqe32[at * 16 + 1:end:16] = array("I", part)
+                self._sqe64[at * 8 + 2:end // 2:8] = array("Q", [address]) * len(part)
+                self._sqe32[at * 16 + 6:end:16] = array("I", [size]) * len(part)
 
     def _enter(self, submit: int, wait: int) -> int:
         return _syscall(ctypes.c_long(_NR_IO_URING_ENTER), ctypes.c_long(self._fd), ctypes.c_long(submit),

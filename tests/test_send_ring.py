@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from wsproto.connection import Connection as FrameParser
 from wsproto.connection import ConnectionType
 
+from server import send_ring
 from server.send_ring import PublicationWrites, SendRing
 from server.transport import WebSocket
 
@@ -64,6 +65,15 @@ def test_one_call_sends_the_bytes_to_every_socket_across_chunks_and_ring_wraps()
         for ours, theirs in pairs:
             ours.close()
             theirs.close()
+
+
+def test_a_ring_whose_sends_to_a_full_socket_would_wait_is_refused(monkeypatch):
+    """The check at open: a send to a full socket must fail at once.  Without
+    MSG_DONTWAIT the kernel parks it until there is room (a stalled client would
+    stall the publication): such a ring is not used."""
+    monkeypatch.setattr(send_ring, "_SEND_FLAGS", socket.MSG_NOSIGNAL)
+    with pytest.raises(OSError, match="wait instead of failing"):
+        SendRing.open()
 
 
 def test_each_socket_gets_its_own_result_a_short_count_eagain_or_an_error():
