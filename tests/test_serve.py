@@ -124,6 +124,9 @@ async def test_serve_answers_ping_and_stops_cleanly_on_sigterm_and_sigint(data_d
     assert await stop_serve(served) == 0
     logs = [json.loads(line) for line in served.stderr_path.read_text().splitlines() if line.startswith("{")]
     assert {"shutting down", "postgres stopped", "stopped"} <= {entry["msg"] for entry in logs}
+    # How fanout writes go out is said at start, either way.
+    assert {"fanout writes go through io_uring",
+            "io_uring unavailable; fanout writes use one send() per connection"} & {entry["msg"] for entry in logs}
     # No postmaster is left behind.
     assert not (data_dir / "pg" / "postmaster.pid").exists()
 
@@ -249,7 +252,7 @@ async def test_serve_uses_the_socket_passed_by_socket_activation(data_dir: Path,
 
 
 def test_every_limit_flag_reaches_the_server_config(monkeypatch):
-    from server.cli import build_parser, server_config_from
+    from server.cli import build_parser, main, server_config_from
 
     flags = {"--auth-timeout": 3, "--session-ttl": 120, "--commands-per-second": 7, "--max-connections-per-member": 4,
              "--idle-timeout": 50, "--heartbeat": 9, "--heartbeat-timeout": 8, "--max-frame-bytes": 5000,
@@ -268,3 +271,9 @@ def test_every_limit_flag_reaches_the_server_config(monkeypatch):
     # And the environment fallback, for one of them.
     monkeypatch.setenv("SCOPEWIRE_PUSH_BUFFER_BYTES", "4096")
     assert server_config_from(build_parser().parse_args(["serve"])).push_buffer_bytes == 4096
+    assert server_config_from(build_parser().parse_args(["serve", "--fanout-writes", "send"])).fanout_writes == "send"
+    assert server_config_from(build_parser().parse_args(["serve"])).fanout_writes == "io_uring"
+    monkeypatch.setenv("SCOPEWIRE_FANOUT_WRITES", "sendfile")
+    with pytest.raises(SystemExit) as refused:
+        main(["serve"])
+    assert refused.value.code == 2
