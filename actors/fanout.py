@@ -176,8 +176,9 @@ class FanoutHub:
 
     def _deliver(self, items: list[tuple[CommittedEvent, frozenset[str] | set[str] | None]]) -> None:
         runs = list(_runs(items))
-        # One run (nearly every publication): each subscriber is written as soon as it is
-        # served.  Several: gathered, so that a connection gets the batch in one write.
+        # One run (nearly every publication): each subscriber is written (or its write handed
+        # to flush_writes) as soon as it is served.  Several: gathered here, so that a
+        # connection gets the batch in one write.
         alone = len(runs) == 1
         pending: dict[Subscription, list[bytes]] = {}
         delivered = delivered_bytes = 0

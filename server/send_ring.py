@@ -121,9 +121,7 @@ class SendRing:
                 while True:
                     left.send(bytes(65536))
             # Submitted without waiting for its completion, which must be there already.
-            self._fill(self._sq[self._sq_tail] & self._sq_mask, [left.fileno()],
-                       ctypes.cast(ctypes.c_char_p(b"x"), ctypes.c_void_p).value, 1)
-            self._sq[self._sq_tail] = (self._sq[self._sq_tail] + 1) & _U32
+            self._queue([left.fileno()], ctypes.cast(ctypes.c_char_p(b"x"), ctypes.c_void_p).value, 1)
             if self._enter(1, 0) != 1:
                 raise OSError(ctypes.get_errno() or errno.EIO, "io_uring_enter refused a send")
             head = self._cq[self._cq_head]
@@ -157,27 +155,24 @@ class SendRing:
         nothing).  RingBroken if the kernel did not take every send."""
         size = len(data)
         address = ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value
-        results: list[int | None] | None = None
+        chunks: list[tuple[int, list[int | None] | None]] = []  # (sends, their results; None: all full)
+
+        def joined() -> list[int | None]:
+            return [result for count, got in chunks for result in (got or [size] * count)]
+
         for start in range(0, len(fds), self.entries):
             chunk = fds[start:start + self.entries]
             try:
-                got = self._send_chunk(chunk, address, size)
+                chunks.append((len(chunk), self._send_chunk(chunk, address, size)))
             except RingBroken as broken:
-                done = (results or [size] * start) + broken.results
+                done = joined() + broken.results
                 broken.results = done + [None] * (len(fds) - len(done))
                 raise
-            if got is not None and results is None:
-                results = [size] * start
-            if results is not None:
-                results += got or [size] * len(chunk)
-        return results
+        return None if all(got is None for _, got in chunks) else joined()
 
     def _send_chunk(self, fds: list[int], address: int, size: int) -> list[int] | None:
-        count, sq, mask = len(fds), self._sq, self._sq_mask
-        tail = sq[self._sq_tail]
-        first = tail & mask
-        self._fill(first, fds, address, size)
-        sq[self._sq_tail] = (tail + count) & _U32
+        count, mask = len(fds), self._sq_mask
+        first = self._queue(fds, address, size)
         submitted = max(self._enter(count, count), 0)
         cq = self._cq
         head = cq[self._cq_head]
@@ -209,8 +204,11 @@ class SendRing:
             raise RingBroken(f"io_uring took {submitted} of {count} sends, completed {completed}", results)
         return results
 
-    def _fill(self, first: int, fds: list[int], address: int, size: int) -> None:
-        """Sends of `size` bytes at `address` to `fds`, in the entries from queue position `first`."""
+    def _queue(self, fds: list[int], address: int, size: int) -> int:
+        """Queue sends of `size` bytes at `address` to `fds` (not yet submitted): the
+        queue position of the first."""
+        tail = self._sq[self._sq_tail]
+        first = tail & self._sq_mask
         # The queue's positions wrap: at most two contiguous stretches of entries.
         for at, part in ((first, fds[:self.entries - first]), (0, fds[self.entries - first:])):
             if part:
@@ -218,6 +216,8 @@ class SendRing:
                 self._sqe32[at * 16 + 1:end:16] = array("I", part)
                 self._sqe64[at * 8 + 2:end // 2:8] = array("Q", [address]) * len(part)
                 self._sqe32[at * 16 + 6:end:16] = array("I", [size]) * len(part)
+        self._sq[self._sq_tail] = (tail + len(fds)) & _U32
+        return first
 
     def _enter(self, submit: int, wait: int) -> int:
         return _syscall(ctypes.c_long(_NR_IO_URING_ENTER), ctypes.c_long(self._fd), ctypes.c_long(submit),
