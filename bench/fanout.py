@@ -105,8 +105,8 @@ from dataclasses import dataclass  # noqa: E402
 from typing import Any  # noqa: E402
 from urllib.parse import urlsplit  # noqa: E402
 
-from bench.common import (descendants, machine_cpu_s, machine_info, merge_counters, proc_cpu_s,  # noqa: E402
-                          proc_rss_kib, tree_cpu_s)
+from bench.common import (RECV_BYTES, descendants, machine_cpu_s, machine_info, merge_counters,  # noqa: E402
+                          proc_cpu_s, proc_rss_kib, tree_cpu_s)
 from bench.hist import hist_key, hist_latency_ms, hist_percentiles, merge_hists  # noqa: E402
 from bench.procs import (Procs, finish_py_spy, raise_nofile, read_ready, run_or_failure, spawn,  # noqa: E402
                          start_py_spy)
@@ -300,7 +300,7 @@ def client_loop(ep: select.epoll, conns: dict[int, Any], errors: collections.Cou
                 continue
             c = conns[fd]
             try:
-                data = c.sock.recv(1 << 18)
+                data = c.sock.recv(RECV_BYTES)
             except BlockingIOError:
                 continue
             except OSError as exc:
@@ -665,7 +665,7 @@ def run_ceiling_server(args: argparse.Namespace) -> int:
             if not events & (select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR):
                 continue
             try:
-                chunk = peer.sock.recv(262144)
+                chunk = peer.sock.recv(RECV_BYTES)
             except BlockingIOError:
                 continue
             except OSError:

@@ -74,7 +74,7 @@ print("connected", flush=True)
 while True:
     for fd, _ in poller.poll():
         try:
-            if not by_fd[fd].recv(1 << 20):
+            if not by_fd[fd].recv(65536):  # below malloc's mmap threshold (bench/common.py RECV_BYTES)
                 sys.exit(0)
         except BlockingIOError:
             pass

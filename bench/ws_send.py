@@ -73,7 +73,7 @@ from actors.inline_settler import InlineSettler  # noqa: E402
 from actors.registry import ScopeRegistry  # noqa: E402
 from actors.scope_actor import Send  # noqa: E402
 from bench import send as send_bench  # noqa: E402
-from bench.common import (admin, machine_info, percentile, pg_statements_top, proc_cpu_s,  # noqa: E402
+from bench.common import (RECV_BYTES, admin, machine_info, percentile, pg_statements_top, proc_cpu_s,  # noqa: E402
                           process_tree_cpu_seconds, write_document)
 from bench.fanout import client_frame  # noqa: E402
 from domain.plan import CommittedMessage, MessageIntent  # noqa: E402
@@ -202,7 +202,7 @@ def run_senders(args: argparse.Namespace) -> int:
         timeout = min(deadline - now, max(0.0, next_at - now) if not closed_loop else 0.05)
         for fd, _ in ep.poll(timeout):
             c = conns[fd]
-            data = c.sock.recv(1 << 20)
+            data = c.sock.recv(RECV_BYTES)
             if not data:
                 raise SystemExit("the server closed a sender connection")
             frames, c.buf = _frames(c.buf + data)
