@@ -57,7 +57,9 @@ def thread_cpu_seconds() -> dict[str, float]:
 
 
 def process_tree_cpu_seconds(root_pid: int | None) -> float | None:
-    """utime+stime of `root_pid` (the postmaster) and its live children (backends etc.)."""
+    """utime+stime of `root_pid` (the postmaster) and its live children (backends etc.),
+    and of the children that exited (autovacuum workers, closed backends) as the
+    kernel adds them to their parent's cutime+cstime once it waited for them."""
     if root_pid is None:
         return None
     try:
@@ -73,7 +75,7 @@ def process_tree_cpu_seconds(root_pid: int | None) -> float | None:
         except OSError:
             continue
         if int(entry) == root_pid or int(fields[1]) == root_pid:
-            total += int(fields[11]) + int(fields[12])
+            total += int(fields[11]) + int(fields[12]) + int(fields[13]) + int(fields[14])
     return total / CLK_TCK
 
 
@@ -141,9 +143,32 @@ def machine_cpu_s() -> tuple[float, float]:
     return (total - idle) / CLK_TCK, total / CLK_TCK
 
 
+def reaped_cpu_s(pid: int) -> float:
+    """cutime+cstime of one process: the CPU of its children that exited and were waited
+    for (with theirs) — a PostgreSQL autovacuum worker that lived and died within a
+    measured window is only there."""
+    fields = _pid_stat(pid)
+    return (int(fields[13]) + int(fields[14])) / CLK_TCK if fields is not None else 0.0
+
+
+def softirq_threads() -> list[int]:
+    """The kernel's ksoftirqd threads: network receive work that a burst of sends leaves
+    beyond the softirq budget runs there, charged to no process of the sender's."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                comm = Path(f"/proc/{entry}/comm").read_text()
+            except OSError:
+                continue
+            if comm.startswith("ksoftirqd/"):
+                found.append(int(entry))
+    return found
+
+
 def tree_cpu_s(pids: list[int]) -> float:
-    """utime+stime summed over `pids` (those still alive)."""
-    return sum(c for c in (proc_cpu_s(p) for p in pids) if c is not None)
+    """utime+stime summed over `pids` (those still alive), with the children each reaped."""
+    return sum(c + reaped_cpu_s(p) for p, c in ((p, proc_cpu_s(p)) for p in pids) if c is not None)
 
 
 def merge_counters(items) -> dict[str, int]:

@@ -164,7 +164,7 @@ def fanout() -> Iterator[Figure]:
                      f"{_range(baseline['p99_ms_all'], ' ms')}",
                      limit, f"{_verdict(met)} ({ratio:.1f}×)" if ratio else _verdict(met))
         cpu = sw["total_cpu_us_per_delivery"] / ceiling["total_cpu_us_per_delivery"]
-        yield Figure(name, f"CPU per delivery with PostgreSQL, {label}",
+        yield Figure(name, f"CPU per delivery with PostgreSQL and ksoftirqd, {label}",
                      f"{_num(sw['total_cpu_us_per_delivery'])} µs",
                      f"ceiling {_num(ceiling['total_cpu_us_per_delivery'])} µs",
                      f"≤ {doc['targets']['ceiling_cpu_ratio']:g}× the ceiling's",
