@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import protocol.frames  # noqa: E402,F401 - the protocol modules' import order, as the server loads them
 from actors.fanout import CommittedEvent, FanoutHub  # noqa: E402
-from bench.common import machine_info, spread, write_document  # noqa: E402
+from bench.common import RECV_BYTES, machine_info, spread, write_document  # noqa: E402
 from server.realtime import PushState  # noqa: E402
 from server.send_ring import PublicationWrites, SendRing  # noqa: E402
 from server.transport import WebSocket  # noqa: E402
@@ -62,7 +62,7 @@ MEMBERS = tuple(sys.intern(f"mem_bench{index}") for index in range(4))
 
 DRAIN = """
 import select, socket, sys
-port, count = int(sys.argv[1]), int(sys.argv[2])
+port, count, recv_bytes = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(count)]
 poller = select.epoll()
 by_fd = {}
@@ -74,7 +74,7 @@ print("connected", flush=True)
 while True:
     for fd, _ in poller.poll():
         try:
-            if not by_fd[fd].recv(65536):  # below malloc's mmap threshold (bench/common.py RECV_BYTES)
+            if not by_fd[fd].recv(recv_bytes):
                 sys.exit(0)
         except BlockingIOError:
             pass
@@ -89,7 +89,7 @@ def _connections(count: int) -> tuple[list[socket.socket], subprocess.Popen]:
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(count)
-    drain = subprocess.Popen([sys.executable, "-c", DRAIN, str(listener.getsockname()[1]), str(count)],
+    drain = subprocess.Popen([sys.executable, "-c", DRAIN, str(listener.getsockname()[1]), str(count), str(RECV_BYTES)],
                              stdout=subprocess.PIPE)
     accepted = []
     for _ in range(count):
