@@ -85,6 +85,30 @@ class Sink(Protocol):
     def write(self, frames: list[bytes]) -> None:
         """Write admitted frames, in order."""
 
+    def join_group(self, group: InStepGroup) -> bool:
+        """Whether this sink hands its delivery of the group's scope to the group: it
+        stands at the group's seq, with nothing queued, no replay and no feed cursor."""
+
+
+class InStepGroup(Protocol):
+    """The subscribers of one scope that stand exactly at `seq` in it, nothing queued
+    for them, and entitled (as of `entitled`) to its messages: the next run of the scope
+    goes to all of them in one step, with no per-subscriber work (server/realtime.py).
+    A member's cursor is the group's while it is in it."""
+
+    seq: int
+    entitled: Any
+    members: dict[Subscription, Any]
+
+    def take(self, run: EventRun) -> tuple[int, int]:
+        """Hand `run` (the next after `seq`) to every member: (deliveries, bytes)."""
+
+    def offer(self, subscription: Subscription) -> None:
+        """The subscriber was just served up to `seq`, alone: it joins if it is in step."""
+
+    def dissolve(self) -> None:
+        """Every member leaves, each with its cursor at `seq`."""
+
 
 @dataclass(eq=False, slots=True)
 class Subscription:
@@ -102,8 +126,12 @@ class FanoutHub:
         # Called at the end of every publication: sinks may gather their writes until then
         # (server/send_ring.py).
         self.flush_writes: Callable[[], None] | None = None
+        # Makes a scope's in-step group (server/realtime.py); None: every subscriber is
+        # served one by one.
+        self.group_factory: Callable[[str, int, Any], InStepGroup] | None = None
         self._by_scope: dict[str, set[Subscription]] = defaultdict(set)
         self._by_workspace: dict[str, set[Subscription]] = defaultdict(set)
+        self._groups: dict[str, InStepGroup] = {}
         self.published = 0
         # Frames handed to subscribers (here, and by their replays), and their bytes
         # (plain ints: read at scrape time).
@@ -130,6 +158,9 @@ class FanoutHub:
             subs.discard(subscription)
             if not subs:
                 del self._by_scope[scope_id]
+                group = self._groups.pop(scope_id, None)
+                if group is not None:
+                    group.dissolve()
 
     def unfollow_workspace(self, subscription: Subscription) -> None:
         if subscription.workspace_id is not None:
@@ -187,15 +218,21 @@ class FanoutHub:
             event = events[0]
             by_scope = self._by_scope.get(event.scope_id)
             by_workspace = self._by_workspace.get(event.workspace_id)
-            # Copies: a sink may unsubscribe itself (cut off) while we iterate.
-            if by_scope and by_workspace:
-                targets = list(by_scope | by_workspace)
-            else:
-                targets = list(by_scope or by_workspace or ())
             # A lone message is a run too: admit_run takes and writes it in one call where it is next.
             run = (EventRun(event.scope_id, events)
                    if len(events) > 1 or (alone and event.event == MESSAGE_CREATED and event.seq is not None)
                    else None)
+            group, in_group = self._group_for(event.scope_id, run if alone else None, events, entitled)
+            if in_group:
+                taken, taken_bytes = group.take(run)
+                delivered += taken
+                delivered_bytes += taken_bytes
+            # Copies: a sink may unsubscribe itself (cut off) while we iterate.
+            if by_scope and by_workspace:
+                targets = by_scope | by_workspace
+            else:
+                targets = by_scope or by_workspace or ()
+            targets = list(targets - group.members.keys() if in_group and targets else targets)
             for subscription in targets:
                 if not subscription.active:
                     continue
@@ -209,6 +246,8 @@ class FanoutHub:
                     if frame is not None:
                         delivered += len(events)
                         delivered_bytes += len(frame)
+                        if group is not None:
+                            group.offer(subscription)
                         if not alone:
                             frames = pending.get(subscription)
                             if frames is None:
@@ -239,6 +278,38 @@ class FanoutHub:
                 subscription.sink.write(frames)
         self.delivered += delivered
         self.delivered_bytes += delivered_bytes
+
+
+    def _group_for(self, scope_id: str, run: EventRun | None, events: list[CommittedEvent],
+                   entitled: Any) -> tuple[InStepGroup | None, bool]:
+        """The scope's in-step group for this run of a publication, and whether it takes
+        the run (the publication's only run, next in the scope, for the same members) —
+        or None where the subscribers are served one by one.  A run that moves cursors
+        and that the group cannot take dissolves it first."""
+        group = self._groups.get(scope_id)
+        if group is not None:
+            if run is not None and run.first_seq == group.seq + 1 and _same_members(group, entitled):
+                return group, True
+            if not any(e.event == MESSAGE_CREATED and e.seq is not None for e in events):
+                return None, False  # no cursor moves: members are served one by one and stay
+            del self._groups[scope_id]
+            group.dissolve()
+        if (run is not None and self.group_factory is not None and scope_id in self._by_scope
+                and (entitled is None or isinstance(entitled, frozenset))):
+            # Formed by the subscribers this run reaches in step (offer); it takes the next.
+            group = self._groups[scope_id] = self.group_factory(scope_id, run.last_seq, entitled)
+        return group, False
+
+
+def _same_members(group: InStepGroup, entitled: Any) -> bool:
+    """Whether `entitled` is the group's entitlement: the same object, or an equal set
+    (then adopted, so that the next publication compares identity only)."""
+    if entitled is group.entitled:
+        return True
+    if isinstance(entitled, frozenset) and isinstance(group.entitled, frozenset) and entitled == group.entitled:
+        group.entitled = entitled
+        return True
+    return False
 
 
 def _runs(items: list[tuple[CommittedEvent, frozenset[str] | set[str] | None]]):

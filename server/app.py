@@ -22,6 +22,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import trio
@@ -51,7 +52,7 @@ from server.config import ServerConfig
 from server.context import Principal
 from server.metrics import ServerMetrics
 from server.ops.deliveries import release_all as release_feeds
-from server.realtime import PushState
+from server.realtime import PushState, ScopeGroup
 from server.transport import ConnectionClosed, WebSocket
 from server.wire import server_frame
 from storage import tenancy
@@ -235,6 +236,7 @@ class Server:
             self.node_id = self.config.node_id
         self.cluster = ClusterNode(self, link_key(self.auth.signer.private_key))
         self.metrics.bind(self)
+        self.hub.group_factory = partial(ScopeGroup, self)
 
     async def edition(self) -> str | None:
         if self._edition is None:

@@ -260,6 +260,16 @@ class PublicationWrites:
         group[0].append(fd)
         group[1].append(sink)
 
+    def add_many(self, fds: list[int], sinks: list[BatchedSink], frames: bytes) -> None:
+        """`add` for each of `fds` and its sink (copied: the caller's lists may change
+        while the results are handled)."""
+        group = self._groups.get(frames)
+        if group is None:
+            self._groups[frames] = (fds.copy(), sinks.copy())
+        else:
+            group[0].extend(fds)
+            group[1].extend(sinks)
+
     def flush(self) -> None:
         if not self._groups:
             return

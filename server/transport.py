@@ -75,7 +75,7 @@ class WebSocket:
     __slots__ = ("_sock", "_parser", "subprotocol", "binary", "_spawn", "_max_message_bytes", "_close_grace",
                  "_out", "_flushing", "_drained", "_parts", "_parts_size", "_closing", "_closed", "_closed_event",
                  "_close_deadline", "_read_scope", "_read_deadline", "close_code", "awaiting_pong",
-                 "unpark_hook")
+                 "unpark_hook", "direct_write_hook")
 
     def __init__(self, sock: socket.socket, parser: FrameParser, subprotocol: str | None, *,
                  spawn: Callable[..., Any], max_message_bytes: int, close_grace: float) -> None:
@@ -102,6 +102,10 @@ class WebSocket:
         # Set while the connection is parked without a task (server/parking.py): a
         # close or abort from elsewhere must start one to finish the connection.
         self.unpark_hook: Callable[[WebSocket], None] | None = None
+        # Called once when the socket stops taking writes straight to the kernel (bytes
+        # queued, closing or closed): a fanout group writing to its descriptor directly
+        # lets the connection go before anything could interleave or the descriptor close.
+        self.direct_write_hook: Callable[[], None] | None = None
 
     def fileno(self) -> int:
         return self._sock.fileno()
@@ -160,10 +164,17 @@ class WebSocket:
             sent = 0
         if sent < len(data):
             self._out += memoryview(data)[sent:]
+            self._end_direct_writes()
             if not self._flushing:
                 self._flushing = True
                 self._spawn(self._flush)
         return len(self._out)
+
+    def _end_direct_writes(self) -> None:
+        hook = self.direct_write_hook
+        if hook is not None:
+            self.direct_write_hook = None
+            hook()
 
     def _write(self, frames: list[bytes] | tuple[bytes, ...]) -> None:
         if self._out:  # a backlog: keep the order, without joining
@@ -227,6 +238,7 @@ class WebSocket:
         if self._parser.state in (ConnectionState.OPEN, ConnectionState.REMOTE_CLOSING):
             self._write((self._parser.send(CloseConnection(code=code, reason=reason)),))
         self._closing = True
+        self._end_direct_writes()
         self.close_code = code
         self._close_deadline = trio.current_time() + self._close_grace
         if self._read_scope is not None:
@@ -252,6 +264,7 @@ class WebSocket:
             return
         self._closed = True
         self._closing = True
+        self._end_direct_writes()
         if self.close_code is None:
             self.close_code = CLOSE_ABNORMAL
         self._out = bytearray()
@@ -418,6 +431,7 @@ class WebSocket:
             reply = event.response() if state is ConnectionState.REMOTE_CLOSING else event
             self._write((self._parser.send(reply),))
             self._closing = True
+            self._end_direct_writes()
         await self._finish()
 
 

@@ -3,10 +3,12 @@ loss or duplicates, entitlement, slow consumers."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import socket
 
+import msgspec
 import pytest
 import trio
 import trio.testing
@@ -566,3 +568,104 @@ async def test_subscribes_are_answered_a_pooled_connection_at_a_time(app: App, t
         assert [s["id"] for s in answered[0]["scopes"]] == [channel["id"]]
         for _ in range(capacity - 1):
             slots.release()
+
+
+# --- the in-step group (server/realtime.py ScopeGroup) ----------------------------------------
+
+def _subscribed(app: App) -> set:
+    return {c for c in app.server.connections.all if c.push is not None}
+
+
+async def _send_until_grouped(app: App, owner, channel_id: str, ws: dict) -> int:
+    """Send until every subscribed connection is in the scope's group (each joins at the first
+    publication it takes in step once its subscribe's catch-up is over): how many were sent."""
+    for sent in range(1, 50):
+        await owner.call("message.send", scope_id=channel_id, content=f"to the group {sent}", **ws)
+        group = app.server.hub._groups.get(channel_id)
+        if group is not None and {c.push.subscription for c in _subscribed(app)} <= group.members.keys():
+            return sent
+    pytest.fail("the subscribers never joined the group")
+
+
+async def test_a_closed_members_descriptor_reused_by_another_connection_gets_nothing_of_the_scope(app: App,
+                                                                                                 tenants):
+    """A group writes to its members' descriptors directly: a member whose socket closes
+    must be gone from it before the descriptor can be another connection's."""
+    alpha, beta = tenants
+    ws = {"workspace_id": alpha.workspace_id}
+    async with await signed_in(app, alpha.owner) as owner, await signed_in(app, alpha.owner) as staying:
+        channel = await open_channel(owner, alpha.workspace_id, "reused")
+        await staying.call("subscribe", scopes=[{"scope_id": channel["id"]}], **ws)  # the group outlives the member
+        [stays] = _subscribed(app)
+        async with await signed_in(app, alpha.owner) as listener:
+            await listener.call("subscribe", scopes=[{"scope_id": channel["id"]}], **ws)
+            sent = await _send_until_grouped(app, owner, channel["id"], ws)
+            assert [e["seq"] for e in await events_for(listener, sent)] == list(range(1, sent + 1))
+            [member] = _subscribed(app) - {stays}
+            freed = member.ws.fileno()
+        with trio.fail_after(10):
+            await member.ws.wait_closed()
+        # Linux hands out the lowest free descriptor: the next accepted connections take it.
+        outsiders, reused = [], False
+        async with contextlib.AsyncExitStack() as stack:
+            while not reused and len(outsiders) < 8:
+                before = set(app.server.connections.all)
+                outsiders.append(await stack.enter_async_context(await signed_in(app, beta.owner)))
+                [accepted] = set(app.server.connections.all) - before
+                reused = accepted.ws.fileno() == freed
+            assert reused, "no connection took the freed descriptor"
+            await owner.call("message.send", scope_id=channel["id"], content="after the close", **ws)
+            for conn in outsiders:
+                await conn.call("ping")  # answered after anything the publication wrote to it
+                assert conn.queued_events() == []
+        assert [e["data"]["content"] for e in await events_for(staying, sent + 1)][-1] == "after the close"
+
+
+async def test_a_member_removed_from_the_scope_gets_none_of_its_later_messages(app: App, tenants,
+                                                                           member_password_hash):
+    alpha, _ = tenants
+    ws = {"workspace_id": alpha.workspace_id}
+    bob = await add_person(app.db, alpha.workspace_id, "bob@example.com", "developer", member_password_hash)
+    async with await signed_in(app, alpha.owner) as owner, await signed_in(app, bob) as listener:
+        channel = await open_channel(owner, alpha.workspace_id, "leaving", [bob.member_id])
+        await listener.call("subscribe", scopes=[{"scope_id": channel["id"]}], **ws)
+        sent = await _send_until_grouped(app, owner, channel["id"], ws)
+        assert [e["seq"] for e in await events_for(listener, sent)] == list(range(1, sent + 1))
+        await owner.call("scope.remove", scope_id=channel["id"], member_id=bob.member_id, **ws)
+        await owner.call("message.send", scope_id=channel["id"], content="after the removal", **ws)
+        await listener.call("ping")
+        assert [e for e in listener.queued_events() if e["event"] == "message.created"] == []
+
+
+async def test_members_of_each_wire_format_get_the_run_in_their_own(app: App, tenants):
+    alpha, _ = tenants
+    ws = {"workspace_id": alpha.workspace_id}
+    async with await signed_in(app, alpha.owner) as owner:
+        channel = await open_channel(owner, alpha.workspace_id, "formats")
+        clients = {}
+        for subprotocol in ("scopewire.json", "scopewire.msgpack"):
+            client, _ = await RawClient.open(app, [subprotocol])
+            for request in ({"op": "login", "id": "1", "email": alpha.owner.email, "password": alpha.owner.password},
+                            {"op": "subscribe", "id": "2", "scopes": [{"scope_id": channel["id"]}], **ws}):
+                binary = subprotocol == "scopewire.msgpack"
+                await client.send(Message(data=msgspec.msgpack.encode(request) if binary else json.dumps(request)))
+                while _decoded(await client.next_event()).get("id") != request["id"]:
+                    pass
+            clients[subprotocol] = client
+        sent = await _send_until_grouped(app, owner, channel["id"], ws)
+        for i in range(4):  # through the group
+            await owner.call("message.send", scope_id=channel["id"], content=f"format {i}", **ws)
+        for subprotocol, client in clients.items():
+            received = []
+            while len(received) < sent + 4:
+                event = await client.next_event()
+                assert isinstance(event.data, bytes) == (subprotocol == "scopewire.msgpack")
+                frame = _decoded(event)
+                if frame.get("event") == "message.created":
+                    received.append(frame["data"]["content"])
+            assert received[sent:] == [f"format {i}" for i in range(4)]
+            await client.stream.aclose()
+
+
+def _decoded(event) -> dict:
+    return msgspec.msgpack.decode(event.data) if isinstance(event.data, bytes) else json.loads(event.data)
