@@ -14,9 +14,10 @@ Per repeat, --publications times, alternating:
 
   hub       `FanoutHub.publish_many` of one publication — a lone message, or a run of
             --run-length consecutive messages (the shape a busy scope's batch publishes) —
-            to every subscriber: admission, cursors and the write, the writes gathered
-            and sent through io_uring in one call (server/send_ring.py, the server's
-            default where the kernel allows it);
+            to every subscriber: the scope's in-step group (server/realtime.py ScopeGroup,
+            which every subscriber here is in after the warm-up) and the write, the writes
+            gathered and sent through io_uring in one call (server/send_ring.py, the
+            server's default where the kernel allows it);
   send hub  the same with one `send()` per subscriber (`--fanout-writes send`);
   ceiling   a bare loop of `socket.send` of the same bytes to the same sockets.
 
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import socket
 import statistics
 import subprocess
@@ -50,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import protocol.frames  # noqa: E402,F401 - the protocol modules' import order, as the server loads them
 from actors.fanout import CommittedEvent, FanoutHub  # noqa: E402
 from bench.common import RECV_BYTES, machine_info, spread, write_document  # noqa: E402
-from server.realtime import PushState  # noqa: E402
+from server.realtime import PushState, ScopeGroup  # noqa: E402
 from server.send_ring import PublicationWrites, SendRing  # noqa: E402
 from server.transport import WebSocket  # noqa: E402
 from server.wire import server_frame  # noqa: E402
@@ -108,6 +110,7 @@ def _subscribers(hub: FanoutHub, socks: list[socket.socket], writes: Publication
                                    publication_writes=writes)
     if writes is not None:
         hub.flush_writes = writes.flush
+    hub.group_factory = functools.partial(ScopeGroup, server)  # as the server sets it
     for index, sock in enumerate(socks):
         ws = WebSocket(sock, None, None, spawn=lambda *a, **k: None, max_message_bytes=1 << 20, close_grace=1.0)
         push = PushState(server, types.SimpleNamespace(ws=ws, id=f"conn{index}"), WORKSPACE,
@@ -182,6 +185,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
             shapes[str(run_length)] = {"run_length": run_length, "repeats": repeats,
                                        **{key: spread([r[key] for r in repeats]) for key in repeats[0]}}
         for hub in hubs.values():
+            hub._groups[SCOPE].dissolve()  # each member's cursor where the group stands
             assert all(push.sink.scope_cursors[SCOPE] == next_seq - 1 for push in hub._by_scope[SCOPE]), \
                 "a subscriber missed a publication"
         return {"frame_bytes": len(frame), "io_uring": writes is not None, "shapes": shapes}

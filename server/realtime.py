@@ -13,7 +13,9 @@ committing task; the event's frame, encoded once per wire format and shared
 by every recipient, is written with the rest of the batch in one non-blocking
 write — for a publication that is one run, gathered with every other
 connection's and sent through io_uring when the publication is over, where the
-node has a ring (server/send_ring.py).  No task is involved.
+node has a ring (server/send_ring.py).  No task is involved.  Connections that
+take a scope's lone runs in step form its ScopeGroup, which takes the next run
+for all of them at once.
 
 Slow path (a resume, or a gap): a replay task owns delivery until the gap is
 filled; live events meanwhile wait in a bounded backlog, and when it is empty
