@@ -578,7 +578,9 @@ def _subscribed(app: App) -> set:
 
 async def _send_until_grouped(app: App, owner, channel_id: str, ws: dict) -> int:
     """Send until every subscribed connection is in the scope's group (each joins at the first
-    publication it takes in step once its subscribe's catch-up is over): how many were sent."""
+    publication it takes in step once its subscribe's catch-up is over): how many were sent.
+    This module's push_buffer_events of 8 would cut off a subscriber whose catch-up is slow."""
+    app.server.config = dataclasses.replace(app.server.config, push_buffer_events=1024)
     for sent in range(1, 50):
         await owner.call("message.send", scope_id=channel_id, content=f"to the group {sent}", **ws)
         group = app.server.hub._groups.get(channel_id)
