@@ -279,7 +279,6 @@ class FanoutHub:
         self.delivered += delivered
         self.delivered_bytes += delivered_bytes
 
-
     def _group_for(self, scope_id: str, run: EventRun | None, events: list[CommittedEvent],
                    entitled: Any) -> tuple[InStepGroup | None, bool]:
         """The scope's in-step group for this run of a publication, and whether it takes
