@@ -671,3 +671,20 @@ async def test_members_of_each_wire_format_get_the_run_in_their_own(app: App, te
 
 def _decoded(event) -> dict:
     return msgspec.msgpack.decode(event.data) if isinstance(event.data, bytes) else json.loads(event.data)
+
+
+async def test_events_that_move_no_cursor_reach_the_members_and_keep_the_group(app: App, tenants):
+    alpha, _ = tenants
+    ws = {"workspace_id": alpha.workspace_id}
+    async with await signed_in(app, alpha.owner) as owner, await signed_in(app, alpha.owner) as listener:
+        channel = await open_channel(owner, alpha.workspace_id, "reacting")
+        await listener.call("subscribe", scopes=[{"scope_id": channel["id"]}], **ws)
+        sent = await _send_until_grouped(app, owner, channel["id"], ws)
+        created = await events_for(listener, sent)
+        group = app.server.hub._groups[channel["id"]]
+        await owner.call("reaction.add", message_id=created[-1]["data"]["id"], key="👍", **ws)
+        assert (await events_for(listener, 1, "reaction.added"))[0]["data"]["key"] == "👍"
+        assert app.server.hub._groups[channel["id"]] is group and len(group.members) == 1
+        await owner.call("message.send", scope_id=channel["id"], content="still grouped", **ws)
+        assert (await events_for(listener, 1))[0]["seq"] == sent + 1
+        assert len(group.members) == 1
