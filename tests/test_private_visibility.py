@@ -51,12 +51,14 @@ async def _history(conn, scope_id: str, ws: dict, **paging) -> list[str]:
 async def _drain(conn, count: int) -> list[dict]:
     """The next `count` message.created events (bounded wait: a missing one fails)."""
     events = []
-    with trio.fail_after(20):
+    with trio.move_on_after(20):
         while len(events) < count:
             event = await conn.next_event()
             if event["event"] == "message.created":
                 events.append(event)
-    return events
+        return events
+    # Seen once in a full clean-clone run, not reproduced since: say which arrived.
+    pytest.fail(f"{len(events)} of {count} events in 20 s: {[(e['seq'], e['data']['content']) for e in events]}")
 
 
 async def test_a_private_agent_reads_what_its_owner_and_grantees_wrote_and_nothing_else(app: App, world):
