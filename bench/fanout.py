@@ -25,8 +25,9 @@ the same subscriber client processes connect (--client-procs processes, each a s
 epoll loop over raw sockets speaking just enough RFC 6455: handshake, masked client
 frames, unmasked server frames, pong), and the same sender (this process) offers the
 same open-loop rate for --duration seconds (default 20: a thousand messages at 50 msg/s),
-after --warmup messages that are delivered before the window opens and not counted.  Every message has a --payload character
-content that starts with its send time (time.time_ns(); one machine, one clock).
+after --warmup messages that are delivered before the window opens and not counted.
+Every message has a --payload character content that starts with its send time
+(time.time_ns(); one machine, one clock).
 
 The scopewire instance is set up once per benchmark: the fixture above, then --history
 messages (default 5000) sent into the channel and a VACUUM ANALYZE, so PostgreSQL plans with
