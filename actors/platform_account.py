@@ -137,6 +137,9 @@ class PlatformAccountActor:
         self._snapshots: dict[str, BroadcastSnapshot] = {}
         self._in_flight = 0
         self._settled_since_check = False
+        # Instances whose ready state is still to be announced (id -> workspace id); None until
+        # the first provisioning step reads them.
+        self._unready_instances: dict[str, str] | None = None
         self._delivery_slots = trio.CapacityLimiter(self.settings.delivery_concurrency)
         # Dispatch table: one handler per command type.
         self._handlers: dict[type, Callable[[Any], Awaitable[Any]]] = {
@@ -326,11 +329,19 @@ class PlatformAccountActor:
         return full_work or dispatched, full_work
 
     async def _provision(self, correlation: str) -> bool:
-        step = await self._write(store.provision_step, self.account_id, PROVISION_BATCH, correlation)
+        # A step that fails may still have committed: the next one rereads every instance not ready.
+        watching, self._unready_instances = self._unready_instances, None
+        step = await self._write(store.provision_step, self.account_id, PROVISION_BATCH, correlation, watching)
+        self._unready_instances = step.unready
         for instance in step.opened:
             await self._emit("platform_service_account.instance_changed", account_id=self.account_id,
                              workspace_id=instance["workspace_id"], provisioning_state="identity_ready",
                              local_service_account_id=instance["local_service_account_id"])
+        # Announced here, not by the audience reconcile that made them ready (its NOTIFY wakes this
+        # actor), so an operator sees an instance's states in the order they happened.
+        for workspace_id in step.now_ready.values():
+            await self._emit("platform_service_account.instance_changed", account_id=self.account_id,
+                             workspace_id=workspace_id, provisioning_state="ready")
         if step.became_ready:
             await self._emit("platform_service_account.updated", account_id=self.account_id)
         return bool(step.opened) or step.became_ready or step.more

@@ -255,6 +255,10 @@ class ProvisionStep:
     opened: list[asyncpg.Record]  # instances opened in this step
     became_ready: bool  # the account reached its target generation
     more: bool  # the scan has more workspaces to open
+    # Of the instances the caller watched (or, watching none yet, of every instance not ready):
+    # those ready now, and those still not ready (id -> workspace id).
+    now_ready: dict[str, str]
+    unready: dict[str, str]
 
 
 async def _open_instance(conn: asyncpg.Connection, root: asyncpg.Record, workspace_id: str,
@@ -298,10 +302,13 @@ async def _open_instance(conn: asyncpg.Connection, root: asyncpg.Record, workspa
     return instance
 
 
-async def provision_step(conn: asyncpg.Connection, account_id: str, batch: int, correlation_id: str) -> ProvisionStep:
+async def provision_step(conn: asyncpg.Connection, account_id: str, batch: int, correlation_id: str,
+                         watching: dict[str, str] | None) -> ProvisionStep:
     """One bounded provisioning transaction: move the target to the deployment generation, open the
     instances of the next `batch` workspaces that lack one (by workspace id after the cursor), and
-    once the scan is complete and every instance is ready, apply the target generation."""
+    once the scan is complete and every instance is ready, apply the target generation.  Also which
+    of the `watching` instances and those opened (None: of all not ready) an audience reconcile has
+    made ready since."""
     root = await _lock_root(conn, account_id)
     deployment = await deployment_generation(conn)
     # A pass finishes (applied reaches its target) before the next begins: with workspaces created all
@@ -351,7 +358,20 @@ async def provision_step(conn: asyncpg.Connection, account_id: str, batch: int, 
                                  basis="platform_provisioning", correlation_id=correlation_id,
                                  details={"applied_provisioning_generation": root["target_provisioning_generation"]})
             became_ready = True
-    return ProvisionStep(opened, became_ready, more)
+    # Read last: every instance the check above found ready is among them.
+    now_ready: dict[str, str] = {}
+    unready: dict[str, str] = {}
+    if watching is None:
+        rows = await conn.fetch(
+            "SELECT id, workspace_id, provisioning_state FROM platform_service_account_workspace_instances "
+            "WHERE platform_service_account_id = $1 AND provisioning_state <> 'ready'", account_id)
+    else:  # an instance gone with its workspace is no longer watched
+        rows = await conn.fetch(
+            "SELECT id, workspace_id, provisioning_state FROM platform_service_account_workspace_instances "
+            "WHERE id = ANY($1::text[])", [*watching, *(instance["id"] for instance in opened)])
+    for row in rows:
+        (now_ready if row["provisioning_state"] == "ready" else unready)[row["id"]] = row["workspace_id"]
+    return ProvisionStep(opened, became_ready, more, now_ready, unready)
 
 
 async def instances(conn: asyncpg.Connection, account_id: str, after: str | None,

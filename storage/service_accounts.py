@@ -579,10 +579,9 @@ async def reconcile_step(conn: asyncpg.Connection, workspace_id: str, scope_id: 
 
 
 async def finish_reconcile_step(conn: asyncpg.Connection, step: ReconcileStep,
-                                correlation_id: str) -> tuple[asyncpg.Record, str | None, str | None]:
+                                correlation_id: str) -> tuple[asyncpg.Record, str | None]:
     """Record the batch's progress (the checkpoint a restart resumes from); on completion the account is
-    ready and its create request fulfilled.  Returns the account, the fulfilled request id and the platform
-    account whose instance this made ready, if any."""
+    ready and its create request fulfilled.  Returns the account and the fulfilled request id, if any."""
     if step.scan_complete and step.effective_version == step.policy_version:
         state = "ready"
     else:
@@ -593,14 +592,14 @@ async def finish_reconcile_step(conn: asyncpg.Connection, step: ReconcileStep,
         "updated_at = now() WHERE id = $1 RETURNING version",
         step.account_id, step.scan_cursor, step.scan_complete, step.effective_version, state,
     )
-    fulfilled = platform_account_id = None
+    fulfilled = None
     if state == "ready":
         # A platform instance whose audience is ready lets its account's provisioning complete (§2.4).
         platform_account_id = await conn.fetchval(
             "UPDATE platform_service_account_workspace_instances SET provisioning_state = 'ready', "
             "version = version + 1, updated_at = now() WHERE local_service_account_id = $1 "
             "AND provisioning_state <> 'ready' RETURNING platform_service_account_id", step.account_id)
-        if platform_account_id is not None:
+        if platform_account_id is not None:  # its actor announces the instance and completes the account
             await conn.execute("SELECT pg_notify($1, $2)", PLATFORM_CHANNEL, platform_account_id)
         fulfilled = await conn.fetchval(
             "UPDATE service_account_create_requests SET business_state = 'fulfilled', fulfilled_at = now(), "
@@ -618,7 +617,7 @@ async def finish_reconcile_step(conn: asyncpg.Connection, step: ReconcileStep,
                                     "effective_audience_version": step.effective_version,
                                     "audience_policy_version": step.policy_version, "state": state,
                                     "fulfilled_request_id": fulfilled})
-    return await account(conn, step.workspace_id, step.account_id), fulfilled, platform_account_id
+    return await account(conn, step.workspace_id, step.account_id), fulfilled
 
 
 async def accounts_behind(conn: asyncpg.Connection, after: tuple[str, str] | None,

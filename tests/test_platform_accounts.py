@@ -226,6 +226,12 @@ async def test_an_account_is_provisioned_into_every_workspace_including_later_on
         assert again["provisioning"]["instances_ready"] == 4
         assert again["provisioning"]["target_provisioning_generation"] > provisioning["target_provisioning_generation"]
         later = {i["workspace_id"]: i for i in await instances(ops, account["id"])}[delta["id"]]
+        # Each instance's announcements come in the order its states were reached.
+        await ops.drain()
+        for workspace_id in (*humans, delta["id"]):
+            assert [d["provisioning_state"] for d in ops.named(
+                "platform_service_account.instance_changed", lambda d: d["workspace_id"] == workspace_id
+                and d["platform_service_account_id"] == account["id"])] == ["identity_ready", "ready"], workspace_id
         assert later["opened_provisioning_generation"] > first[0]["opened_provisioning_generation"]
         profile = await local_account(b, delta["id"], account["id"])
         assert profile is not None and profile["principal_id"] == account["id"]

@@ -590,7 +590,8 @@ async def _send_until_grouped(app: App, owner, channel_id: str, ws: dict) -> int
     group = app.server.hub._groups.get(channel_id)
     pytest.fail(f"the subscribers never joined the group (seq {group and group.seq}): " + "; ".join(
         f"cursor {c.push.scope_cursors.get(channel_id)} grouped {c.push._group is not None} "
-        f"backlog {c.push._backlog is not None} sends_now {c.ws.sends_now}" for c in _subscribed(app)))
+        f"backlog {c.push._backlog is not None} sends_now {c.ws.sends_now}" for c in _subscribed(app))
+        + "\n" + app.where_tasks_wait("_run_replay"))
 
 
 async def test_a_closed_members_descriptor_reused_by_another_connection_gets_nothing_of_the_scope(app: App,

@@ -26,10 +26,8 @@ from actors import scope_actor as cmd
 from actors import service_accounts as sa_cmd
 from actors.fanout import CommittedEvent
 from domain.plan import ActorContext, MembershipMutation, MessageIntent
-from domain.platform import PLATFORM_FEED
 from domain.service_accounts import CARD_MESSAGE_TYPE, NOTIFICATION_MESSAGE_TYPE, ManagerChange
 from protocol import frames as f
-from protocol import platform as p
 from protocol import service_accounts as s
 from protocol.errors import ErrorCode, ProtocolError
 from server.context import RequestContext, WorkspaceContext
@@ -766,12 +764,8 @@ class AudienceReconciler:
                     system, server.config.service_account_audience_batch, _correlation()))
                 if result is None:
                     return
-                account, fulfilled, platform_ready = result
-                if platform_ready is not None:
-                    server.hub.publish(CommittedEvent(
-                        "platform_service_account.instance_changed", PLATFORM_FEED, "", None, None,
-                        p.PlatformInstanceChanged(platform_service_account_id=platform_ready,
-                                                  workspace_id=workspace_id, provisioning_state="ready")))
+                # A platform instance this made ready is announced by its account's actor.
+                account, fulfilled = result
                 watchers = await _watchers(server, workspace_id, account["id"])
                 count = await server.db.run(visibility.open_member_count, scope_id)
                 _publish(server, workspace_id, "service_account.audience_changed", s.AudienceChanged(
