@@ -162,6 +162,30 @@ async def test_data_survives_restart_and_schema_has_no_drift(data_dir: Path):
     assert await stop_serve(served) == 0
 
 
+async def test_autovacuum_analyses_the_embedded_database_within_seconds_of_new_rows(data_dir: Path):
+    """Plans made before a table's first statistics are for an empty table (README: the embedded
+    database); autovacuum must come back every few seconds, not PostgreSQL's default minute."""
+    served = await start_serve(data_dir)
+
+    async def add_accounts(first: int) -> None:
+        await with_scopewire_db(data_dir, lambda c: c.execute(
+            "INSERT INTO accounts (id, email_normalized, display_name) SELECT 'acc_' || lpad(i::text, 14, '0'), "
+            "'a' || i || '@b.c', 'A' FROM generate_series($1::int, $1::int + 199) i", first))
+
+    async def analysed_after(count: int) -> None:
+        """Wait until autovacuum has analysed accounts more than `count` times."""
+        with trio.fail_after(40):  # PostgreSQL's default naptime (60 s) would miss this
+            while await with_scopewire_db(data_dir, lambda c: c.fetchval(
+                    "SELECT autoanalyze_count FROM pg_stat_user_tables WHERE relname = 'accounts'")) <= count:
+                await trio.sleep(0.5)  # another process's work: its statistics are the only signal
+
+    await add_accounts(1)
+    await analysed_after(0)
+    await add_accounts(1000)  # more than 10 % + 50 new rows: due for its next analysis at once
+    await analysed_after(1)
+    assert await stop_serve(served) == 0
+
+
 async def test_kill_dash_nine_then_start_recovers(data_dir: Path):
     served = await start_serve(data_dir)
     await with_scopewire_db(data_dir, lambda c: c.execute(
