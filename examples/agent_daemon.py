@@ -16,7 +16,9 @@ a server restart or a restart of this daemon), so handling is idempotent:
 - --state-file keeps the dedupe keys handled but not yet acked: one of them
   delivered again is acked without being handled again;
 - a key is dropped once the server confirmed its ack (acked deliveries are
-  never sent again), so the file stays small.
+  never sent again), or at the next start when the server says its delivery
+  is no longer pending or leased (the ack went through, its reply was lost to
+  a crash), so the file stays small.
 A crash between printing a line and recording its key prints that line again
 on redelivery (with a higher `attempt`): consumers dedupe by `dedupe_key`.
 """
@@ -43,32 +45,48 @@ CONTEXT_MESSAGES = 5  # bounded context: the delivered message and the few befor
 
 
 class HandledKeys:
-    """Dedupe keys handled but not yet acked, kept in a file that is replaced
-    atomically (write a temporary file, then os.replace) on every change."""
+    """Dedupe keys handled but not yet acked (with their deliveries' seqs), kept in a
+    file that is replaced atomically (write a temporary file, then os.replace) on
+    every change."""
 
     def __init__(self, path: Path | None) -> None:
         self.path = path
-        self.keys: set[str] = set()
+        self.seqs: dict[str, int | None] = {}
         if path is not None and path.exists():
-            self.keys = set(json.loads(path.read_text())["handled"])
+            state = json.loads(path.read_text())
+            self.seqs = {key: state.get("delivery_seqs", {}).get(key) for key in state["handled"]}
 
     def __contains__(self, key: str) -> bool:
-        return key in self.keys
+        return key in self.seqs
 
-    def add(self, key: str) -> None:
-        self.keys.add(key)
+    def add(self, key: str, delivery_seq: int) -> None:
+        self.seqs[key] = delivery_seq
         self._save()
 
     def discard(self, key: str) -> None:
-        self.keys.discard(key)
-        self._save()
+        if key in self.seqs:
+            del self.seqs[key]
+            self._save()
+
+    async def prune(self, client: ResumingClient) -> None:
+        """Drop the keys whose deliveries can never come again.  A crash after the server
+        took an ack but before its reply arrived leaves the key here, and no redelivery
+        ever clears it: ask the server for each key's delivery once, at start."""
+        for key, seq in list(self.seqs.items()):
+            if seq is None:
+                continue
+            page = await client.call("delivery.list", after_seq=seq - 1, limit=1)
+            found = [d for d in page["deliveries"] if d["delivery_seq"] == seq]
+            if not found or found[0]["status"] not in ("pending", "leased"):
+                log.info("%s was acked before this start (or is gone): forgetting it", key)
+                self.discard(key)
 
     def _save(self) -> None:
         if self.path is None:
             return
         temporary = self.path.with_name(self.path.name + ".tmp")
         with open(temporary, "w") as file:
-            json.dump({"handled": sorted(self.keys)}, file)
+            json.dump({"handled": sorted(self.seqs), "delivery_seqs": self.seqs}, file)
             file.flush()
             os.fsync(file.fileno())
         os.replace(temporary, self.path)
@@ -125,6 +143,7 @@ async def run(url: str, api_key: str, state_file: Path | None, limit: int | None
     client.follow_deliveries(max_in_flight=max_in_flight)
     handled = 0
     async with client.running() as events:
+        await handled_keys.prune(client)
         async for event in events:
             if event["event"] != "delivery":
                 continue
@@ -134,7 +153,7 @@ async def run(url: str, api_key: str, state_file: Path | None, limit: int | None
                 log.info("%s was handled before its ack got through: acking it", key)
             else:
                 print(json.dumps(await handle(client, delivery, reply)), flush=True)
-                handled_keys.add(key)
+                handled_keys.add(key, delivery["delivery_seq"])
                 handled += 1
             await client.ack([delivery["delivery_seq"]])
             # The ack reply arrived: the delivery is acked (now or before) and never sent again.

@@ -302,7 +302,8 @@ async def test_agent_daemon_handles_each_routed_message_once_across_restarts(dat
         assert len(again) <= 1 and all(line["attempt"] > 1 for line in again)
         # Every delivery but the last is acked, so its key has left the state file — a key the killed
         # daemon handled but never acked too, once its redelivery reached the second daemon (after
-        # the server saw the killed connection go), which acks it without handling it again.
+        # the server saw the killed connection go), which acks it without handling it again; or one
+        # whose ack the server took just before the kill, which the second daemon forgets at start.
         with trio.fail_after(30):
             while not set(json.loads(state_file.read_text())["handled"]) <= {second.lines[-1]["dedupe_key"]}:
                 await trio.sleep(0.05)
@@ -339,12 +340,37 @@ async def test_agent_daemon_acks_without_handling_again_what_it_handled_before_a
             [sys.executable, "examples/agent_daemon.py", "--url", app.url, "--api-key", key, "--reply", "--limit", "1",
              "--state-file", str(state_file)], capture_stdout=True, cwd=PROJECT_ROOT)
     assert [json.loads(line)["message_id"] for line in daemon.stdout.decode().splitlines()] == [new["id"]]
-    assert json.loads(state_file.read_text()) == {"handled": []}  # both acked: nothing left to remember
+    assert json.loads(state_file.read_text())["handled"] == []  # both acked: nothing left to remember
     async with as_agent(app, key) as scout:
         feed = (await scout.call("delivery.list", **ws))["deliveries"]
         assert [(d["message_id"], d["status"]) for d in feed] == [(handled["id"], "acked"), (new["id"], "acked")]
         page = await scout.call("message.history", scope_id=channel["id"], **ws)
     assert [m["content"] for m in page["messages"] if m["author_member_id"] == agent["id"]] == [f"handled {new['id']}"]
+
+
+async def test_agent_daemon_forgets_at_start_a_key_whose_ack_went_through_before_a_crash(app: App, world,  # noqa: F811
+                                                                                         tmp_path):
+    """A crash after the server took an ack but before its reply arrived leaves the key
+    recorded, and its delivery never comes again: the next start asks and forgets it."""
+    alpha, _, _, agent, channel, key, ws = world
+    async with await signed_in(app, alpha.owner) as owner:
+        acked = await owner.call("message.send", scope_id=channel["id"], content="@scout acked", **ws)
+    async with as_agent(app, key) as scout:
+        [delivery] = (await scout.call("delivery.list", **ws))["deliveries"]
+        assert (await scout.call("delivery.ack", delivery_seqs=[delivery["delivery_seq"]], **ws))["acked"]
+    state_file = tmp_path / "daemon.state"
+    state_file.write_text(json.dumps({"handled": [delivery["dedupe_key"]],
+                                      "delivery_seqs": {delivery["dedupe_key"]: delivery["delivery_seq"]}}))
+    async with await signed_in(app, alpha.owner) as owner:
+        new = await owner.call("message.send", scope_id=channel["id"], content="@scout new", **ws)
+    with trio.fail_after(60):
+        daemon = await trio.run_process(
+            [sys.executable, "examples/agent_daemon.py", "--url", app.url, "--api-key", key, "--limit", "1",
+             "--state-file", str(state_file)], capture_stdout=True, capture_stderr=True, cwd=PROJECT_ROOT)
+    assert [json.loads(line)["message_id"] for line in daemon.stdout.decode().splitlines()] == [new["id"]]
+    assert json.loads(state_file.read_text()) == {"handled": [], "delivery_seqs": {}}
+    assert f"{delivery['dedupe_key']} was acked before this start" in daemon.stderr.decode()
+    assert acked["id"] == delivery["message_id"]
 
 
 async def test_asyncio_client(app: App, tenants):
