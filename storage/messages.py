@@ -228,14 +228,16 @@ async def history(conn: asyncpg.Connection, workspace_id: str, viewer: str, scop
         return await _private_history(conn, workspace_id, viewer, scope_id, reader, before_seq=before_seq,
                                       after_seq=after_seq, limit=limit)
     if after_seq is not None:
-        rows = await conn.fetch(
+        rows = await visibility.fetch_generic_plan(
+            conn,
             f"SELECT {MESSAGE_COLUMNS}, vis.visibility_reason, vis.grant_id FROM scope_messages m "
             f"{readable_join('m', '$2')} WHERE m.workspace_id = $1 AND m.scope_id = $3 AND m.seq > $4 "
             f"ORDER BY m.seq LIMIT $5",
             workspace_id, viewer, scope_id, after_seq, limit + 1,
         )
         return list(rows[:limit]), len(rows) > limit
-    rows = await conn.fetch(
+    rows = await visibility.fetch_generic_plan(
+        conn,
         f"SELECT {MESSAGE_COLUMNS}, vis.visibility_reason, vis.grant_id FROM scope_messages m "
         f"{readable_join('m', '$2')} WHERE m.workspace_id = $1 AND m.scope_id = $3 AND m.seq < $4 "
         f"ORDER BY m.seq DESC LIMIT $5",
@@ -316,7 +318,8 @@ async def readable_messages(conn: asyncpg.Connection, workspace_id: str, viewer:
                             message_ids: list[str]) -> list[asyncpg.Record]:
     """Those of `message_ids` the viewer may read, visible, as history shows them, newest
     first (search hits: checked again here, and one withdrawn meanwhile is left out)."""
-    return await conn.fetch(
+    return await visibility.fetch_generic_plan(
+        conn,
         f"SELECT {MESSAGE_COLUMNS} FROM scope_messages m WHERE m.workspace_id = $1 AND m.id = ANY($3::text[]) "
         f"AND m.state = 'visible' AND {message_visibility_sql('m', '$2')} IS NOT NULL "
         f"ORDER BY m.workspace_global_seq DESC", workspace_id, viewer, message_ids)
@@ -363,7 +366,8 @@ async def workspace_global_tail(conn: asyncpg.Connection, workspace_id: str) -> 
 async def workspace_feed(conn: asyncpg.Connection, workspace_id: str, viewer: str, after_global_seq: int,
                          limit: int) -> list[asyncpg.Record]:
     """The viewer's readable messages across the workspace, by global seq."""
-    return await conn.fetch(
+    return await visibility.fetch_generic_plan(
+        conn,
         f"SELECT {MESSAGE_COLUMNS} FROM scope_messages m WHERE m.workspace_id = $1 AND m.workspace_global_seq > $3 "
         f"AND {message_visibility_sql('m', '$2')} IS NOT NULL ORDER BY m.workspace_global_seq LIMIT $4",
         workspace_id, viewer, after_global_seq, limit,

@@ -29,6 +29,7 @@ from storage.visibility.predicate import (
     entitled_for_message,
     explain_message,
     fetch_custom_plan,
+    fetch_generic_plan,
     followers_entitled,
     message_readable_sql,
     message_visibility_sql,
@@ -42,7 +43,7 @@ from storage.visibility.predicate import (
 )
 
 __all__ = [
-    "ENTITLED_MEMBERSHIPS", "INBOX_MEMBERSHIPS", "entitled_for_message", "entitled_roster", "explain_message", "fetch_custom_plan",
+    "ENTITLED_MEMBERSHIPS", "INBOX_MEMBERSHIPS", "entitled_for_message", "entitled_roster", "explain_message", "fetch_custom_plan", "fetch_generic_plan",
     "followers_entitled",
     "message_readable_sql", "message_visibility_sql", "ReaderWindows", "private_reader_windows", "public_rosters", "quoted_sources_sql", "readable_join", "readable_scope_sets", "roster_entries", "roster_entries_of",
     "scope_authority",

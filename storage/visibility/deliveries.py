@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncpg
 
-from storage.visibility.predicate import _chain, message_visibility_sql, scope_readable_sql
+from storage.visibility.predicate import _chain, fetch_generic_plan, message_visibility_sql, scope_readable_sql
 
 
 def _active_authority_sql(owner: str, waker: str, message: str) -> str:
@@ -63,7 +63,8 @@ async def readable_messages(conn: asyncpg.Connection, viewer: str, message_ids: 
     """Those of `message_ids` that `viewer` reads now (a feed listing shows nothing else), withdrawn ones blank."""
     if not message_ids:
         return {}
-    rows = await conn.fetch(
+    rows = await fetch_generic_plan(
+        conn,
         f"SELECT m.id, m.workspace_id, m.scope_id, m.seq, m.workspace_global_seq, m.author_member_id, m.author_type, "
         f"m.message_type, CASE WHEN m.state = 'withdrawn' THEN '' ELSE m.content END AS content, "
         f"CASE WHEN m.state = 'withdrawn' THEN '{{}}'::jsonb ELSE m.metadata END AS metadata, m.client_message_id, "
