@@ -254,7 +254,10 @@ async def _private_history(conn: asyncpg.Connection, workspace_id: str, viewer: 
     newest (or oldest) first; the scans are merged by seq.  Within a scope seq
     order is global-seq order, so the page bound becomes a global-seq bound on
     that index.  The readable predicate itself then checks the merged page:
-    a row it refuses is left out (fail closed) and logged, never shown."""
+    a row it refuses is left out (fail closed) and logged, never shown.
+    With its generic plan: planned for each call's windows, a page cost ~30 ms of
+    planning (bench/private_agents.py, 1,000,000 messages: p50 35 ms a page, 19 ms
+    generic)."""
     forward = after_seq is not None
     # The page bound as a global seq: that of the nearest message, read off the
     # (scope_id, seq) key once (an InitPlan of the one statement below).
@@ -270,7 +273,7 @@ async def _private_history(conn: asyncpg.Connection, workspace_id: str, viewer: 
     windows = list(zip(*reader.windows)) or [(), (), (), (), (), ()]
     in_interval = ("EXISTS (SELECT 1 FROM unnest($10::bigint[], $11::bigint[]) AS iv(lo, hi) "
                    "WHERE m.seq >= iv.lo AND (iv.hi IS NULL OR m.seq <= iv.hi))")
-    rows = await visibility.fetch_custom_plan(
+    rows = await visibility.fetch_generic_plan(
         conn,
         f"SELECT page.*, vis.visibility_reason, vis.grant_id FROM ("
         f"SELECT DISTINCT ON (candidate.seq) candidate.* FROM ("

@@ -64,6 +64,27 @@ async def _drain(app: App, conn, count: int) -> list[dict]:
                 + "\n" + app.where_tasks_wait("_run_replay"))
 
 
+async def test_a_private_agents_history_pages_are_planned_once_per_connection(app: App, world):
+    """Planned for each call's windows, a private page cost ~30 ms of PostgreSQL planning
+    (bench/private_agents.py); its one generic plan serves every call on a connection."""
+    alpha, bob, _, agent, channel, _, ws = world
+    async with await signed_in(app, alpha.owner) as owner, await signed_in(app, bob) as b:
+        await owner.call("message.send", scope_id=channel["id"], content="owner", **ws)
+        await b.call("message.send", scope_id=channel["id"], content="bob, not the agent's", **ws)
+
+    async def unit(conn):
+        for _ in range(8):
+            for after_seq in (0, None):
+                rows, _ = await messages.history(conn, alpha.workspace_id, agent["id"], channel["id"],
+                                                 before_seq=None, after_seq=after_seq, limit=50)
+                assert [r["content"] for r in rows] == ["owner"]
+        return await conn.fetch("SELECT generic_plans, custom_plans FROM pg_prepared_statements "
+                                "WHERE statement LIKE '%DISTINCT ON (candidate.seq)%' "
+                                "AND statement NOT LIKE '%pg_prepared_statements%'")
+
+    assert sorted((s["generic_plans"], s["custom_plans"]) for s in await app.db.run(unit)) == [(8, 0), (8, 0)]
+
+
 async def test_a_private_agent_reads_what_its_owner_and_grantees_wrote_and_nothing_else(app: App, world):
     alpha, bob, carol, agent, channel, key, ws = world
     scope = channel["id"]

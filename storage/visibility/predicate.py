@@ -56,8 +56,8 @@ async def fetch_custom_plan(conn: asyncpg.Connection, query: str, *args) -> list
     """Run `query` as a statement of its own, planned for these arguments.
     asyncpg caches a prepared statement per query text, and after five runs
     PostgreSQL may switch it to one generic plan; for the queries whose best
-    plan depends on the arguments (which authors and windows, how wide a handle
-    range) that plan was measured 10-30x slower (bench/private_agents.py).
+    plan depends on the arguments (how wide a handle range, which search
+    terms) that plan was measured 10-30x slower (bench/private_agents.py).
     An uncached statement is always planned for its arguments, for one more
     round trip."""
     statement = await conn.prepare(query)
@@ -335,7 +335,8 @@ async def private_reader_windows(conn: asyncpg.Connection, scope_id: str, viewer
     follows what the agent reads, not the scope's size.  A window closed by its
     expiry is bounded by the end seq the expiry sweep recorded, EXPIRY_SWEEP_MARGIN
     after the expiry: no transaction that began before it is still numbering."""
-    rows = await conn.fetch(
+    rows = await fetch_generic_plan(
+        conn,
         f"""
         WITH reader AS (
             SELECT om.owner_member_id AS owner FROM scope_memberships om
