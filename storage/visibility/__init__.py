@@ -36,6 +36,7 @@ from storage.visibility.predicate import (
     ReaderWindows,
     private_entry_holds_sql,
     private_reader_windows,
+    public_reader_sql,
     quoted_sources_sql,
     readable_join,
     readable_scope_sets,
@@ -45,7 +46,7 @@ from storage.visibility.predicate import (
 __all__ = [
     "ENTITLED_MEMBERSHIPS", "INBOX_MEMBERSHIPS", "entitled_for_message", "entitled_roster", "explain_message", "fetch_custom_plan", "fetch_generic_plan",
     "followers_entitled",
-    "message_readable_sql", "message_visibility_sql", "ReaderWindows", "private_reader_windows", "public_rosters", "quoted_sources_sql", "readable_join", "readable_scope_sets", "roster_entries", "roster_entries_of",
+    "message_readable_sql", "message_visibility_sql", "ReaderWindows", "private_reader_windows", "public_reader_sql", "public_rosters", "quoted_sources_sql", "readable_join", "readable_scope_sets", "roster_entries", "roster_entries_of",
     "scope_authority",
     "scope_members", "scope_readable_sql", "typing_audience", "viewer_membership",
 ]

@@ -153,10 +153,20 @@ def author_authority_sql(message: str, owner: str) -> str:
     )
 
 
+def _public_membership(scope_id: str, viewer: str) -> str:
+    return (f"FROM scope_memberships pm WHERE pm.scope_id = {scope_id} AND pm.member_id = {viewer} "
+            f"AND pm.effective_to_seq IS NULL AND pm.visibility = 'public' AND {_ACTIVE.format(ms='pm')}")
+
+
+def public_reader_sql(scope_id: str, viewer: str) -> str:
+    """SQL: does `viewer` hold an open public membership of the scope, as an active member?
+    Then it reads every message of the scope, for the reason 'membership': the first
+    branch of message_visibility_sql, which decides before any other."""
+    return f"EXISTS (SELECT 1 {_public_membership(scope_id, viewer)})"
+
+
 def message_visibility_sql(message: str = "m", viewer: str = "$2") -> str:
-    public = (f"(SELECT 'membership' FROM scope_memberships pm WHERE pm.scope_id = {message}.scope_id "
-              f"AND pm.member_id = {viewer} AND pm.effective_to_seq IS NULL AND pm.visibility = 'public' "
-              f"AND {_ACTIVE.format(ms='pm')})")
+    public = f"(SELECT 'membership' {_public_membership(f'{message}.scope_id', viewer)})"
     private = (
         f"(SELECT CASE WHEN {message}.author_member_id = om.member_id THEN 'own_output' "
         f"WHEN {message}.author_member_id = om.owner_member_id THEN 'owner' "
