@@ -7,6 +7,7 @@ scope_memberships)."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import logging
 from dataclasses import dataclass
@@ -223,10 +224,6 @@ async def history(conn: asyncpg.Connection, workspace_id: str, viewer: str, scop
                   before_seq: int | None, after_seq: int | None, limit: int) -> tuple[list[asyncpg.Record], bool]:
     """A page of the scope's messages the viewer may read, in seq order, and
     whether more exist in the paging direction."""
-    reader = await visibility.private_reader_windows(conn, scope_id, viewer)
-    if reader is not None:
-        return await _private_history(conn, workspace_id, viewer, scope_id, reader, before_seq=before_seq,
-                                      after_seq=after_seq, limit=limit)
     forward = after_seq is not None
     page = (f"m.workspace_id = $1 AND m.scope_id = $3 AND m.seq {'>' if forward else '<'} $4 "
             f"ORDER BY m.seq {'ASC' if forward else 'DESC'} LIMIT $5")
@@ -239,12 +236,21 @@ async def history(conn: asyncpg.Connection, workspace_id: str, viewer: str, scop
         f"SELECT r.public_reader, page.* FROM (SELECT {visibility.public_reader_sql('$3', '$2')} AS public_reader) r "
         f"LEFT JOIN LATERAL (SELECT {MESSAGE_COLUMNS}, 'membership'::text AS visibility_reason, "
         f"NULL::text AS grant_id FROM scope_messages m WHERE r.public_reader AND {page}) page ON true", *args)
-    if rows[0]["public_reader"]:
-        rows = [row for row in rows if row["id"] is not None]
+    if not rows[0]["public_reader"]:
+        # A private agent's windows and its page come from one snapshot: read apart, a grant
+        # committed in between would leave its messages out of a page that holds later ones,
+        # and a subscriber's catch-up would step over them for good.
+        async with (contextlib.nullcontext() if conn.is_in_transaction()
+                    else conn.transaction(isolation="repeatable_read", readonly=True)):
+            reader = await visibility.private_reader_windows(conn, scope_id, viewer)
+            if reader is not None:
+                return await _private_history(conn, workspace_id, viewer, scope_id, reader, before_seq=before_seq,
+                                              after_seq=after_seq, limit=limit)
+            rows = await visibility.fetch_generic_plan(
+                conn, f"SELECT {MESSAGE_COLUMNS}, vis.visibility_reason, vis.grant_id FROM scope_messages m "
+                      f"{readable_join('m', '$2')} WHERE {page}", *args)
     else:
-        rows = await visibility.fetch_generic_plan(
-            conn, f"SELECT {MESSAGE_COLUMNS}, vis.visibility_reason, vis.grant_id FROM scope_messages m "
-                  f"{readable_join('m', '$2')} WHERE {page}", *args)
+        rows = [row for row in rows if row["id"] is not None]
     return (list(rows[:limit]) if forward else list(reversed(rows[:limit]))), len(rows) > limit
 
 

@@ -15,6 +15,7 @@ import trio
 from client import ClientError, connect
 from storage import messages
 from tests.conftest import App, add_person
+from tests.db_faults import hold_table_lock, release_locks, wait_for_query
 from tests.test_messaging import open_channel
 from tests.test_tenancy import expect_error, signed_in
 
@@ -83,6 +84,40 @@ async def test_a_private_agents_history_pages_are_planned_once_per_connection(ap
                                 "AND statement NOT LIKE '%pg_prepared_statements%'")
 
     assert sorted((s["generic_plans"], s["custom_plans"]) for s in await app.db.run(unit)) == [(8, 0), (8, 0)]
+
+
+async def test_a_private_agents_history_page_is_one_snapshot_even_when_a_grant_commits_meanwhile(app: App, world,
+                                                                                                 nursery):
+    """The page is read after the agent's windows: a grant and messages committed between the
+    two reads must not yield a page that holds a later message but not the granted one (a
+    subscriber's catch-up would step over that one for good)."""
+    alpha, bob, _, agent, channel, _, ws = world
+    scope = channel["id"]
+    async with await signed_in(app, alpha.owner) as owner, await signed_in(app, bob) as b:
+        await owner.call("message.send", scope_id=scope, content="owner 1", **ws)
+        # The page statement (it reads quoted sources) waits behind this lock; the windows do not.
+        await hold_table_lock(app.db, nursery, "scope_message_sources")
+        page = trio.Event()
+        result = {}
+
+        async def read_history():
+            result["rows"], _ = await app.db.run(messages.history, alpha.workspace_id, agent["id"], scope,
+                                                 before_seq=None, after_seq=0, limit=200)
+            page.set()
+
+        nursery.start_soon(read_history)
+        await wait_for_query(app.db, "wait_event_type = 'Lock' AND query LIKE '%DISTINCT ON (candidate.seq)%'")
+        await owner.call("private_grant.create", scope_id=scope, grantee_member_id=bob.member_id, **ws)
+        await b.call("message.send", scope_id=scope, content="bob granted", **ws)
+        await owner.call("message.send", scope_id=scope, content="owner 2", **ws)
+        await release_locks(app.db)
+        with trio.fail_after(20):
+            await page.wait()
+    # As of the windows' snapshot: nothing after it, so nothing skipped.
+    assert [r["content"] for r in result["rows"]] == ["owner 1"]
+    rows, _ = await app.db.run(messages.history, alpha.workspace_id, agent["id"], scope, before_seq=None,
+                               after_seq=0, limit=200)
+    assert [r["content"] for r in rows] == ["owner 1", "bob granted", "owner 2"]
 
 
 async def test_a_private_agent_reads_what_its_owner_and_grantees_wrote_and_nothing_else(app: App, world):
