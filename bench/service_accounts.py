@@ -332,6 +332,8 @@ async def start_server(fx: Fixture, scratch: Path, args: argparse.Namespace, pro
             "--log-level", args.log_level, "--session-key-file", str(scratch / "session-key.pem"),
             "--commands-per-second", "1000000", "--data-dir", str(scratch / "data"),
             "--service-account-audience-batch", str(batch),
+            # The followers connect together from 127.0.0.1: past the per-address flood cap (64).
+            "--max-unauthenticated-per-address", "1000000",
             cwd=ROOT, stdout=subprocess.PIPE, stderr=log_file))
 
     async def ready() -> str:
