@@ -12,7 +12,6 @@ from pathlib import Path
 
 import asyncpg
 import pytest
-import trio
 
 from storage.bridge import Database, PoolSettings
 from storage.cluster import ClusterSettings, PostgresCluster
@@ -185,28 +184,6 @@ class App:
     @property
     def url(self) -> str:
         return f"ws://127.0.0.1:{self.server.port}"
-
-    def where_tasks_wait(self, name: str) -> str:
-        """For a failure message: where each trio task whose name contains `name` is
-        suspended (its await chain), and the database bridge's queues."""
-        lines = []
-        pending = [trio.lowlevel.current_root_task()]
-        while pending:
-            task = pending.pop()
-            pending.extend(child for nursery in task.child_nurseries for child in nursery.child_tasks)
-            if name in task.name:
-                chain, awaitable = [], task.coro
-                while awaitable is not None:
-                    frame = getattr(awaitable, "cr_frame", None) or getattr(awaitable, "gi_frame", None)
-                    if frame is not None:
-                        chain.append(f"{frame.f_code.co_name}:{frame.f_lineno}")
-                    awaitable = getattr(awaitable, "cr_await", None) or getattr(awaitable, "gi_yieldfrom", None)
-                lines.append(f"{task.name}: " + " > ".join(chain))
-        db = self.db
-        lines.append(f"bridge: in flight {db.units_in_flight}, holding {db._units_holding_connection}, "
-                     f"waiting {len(db._waiting_for_connection)}, submitted {len(db._submissions)}, "
-                     f"completed {len(db._completions)}, pool {db.pool_figures()}")
-        return "\n".join(lines)
 
 
 @pytest.fixture
