@@ -332,11 +332,17 @@ _CONTEXT_COLUMNS = (
     "mem.id AS member_id, mem.kind AS member_kind, mem.status AS member_status, mem.handle, "
     "m.id AS membership_id, m.role, m.status AS membership_status, m.projection_revision AS membership_revision"
 )
+# These contexts are each a chain of one-row lookups, written as LATERAL subqueries kept apart
+# by OFFSET 0 rather than as joins: the planner then has no join order to search.  As joins,
+# planning a write batch's gate, which reads them, took 2.3 ms, 0.7 ms this way, and a cached
+# plan is made again whenever autovacuum passes over a table the batch writes.
 # From a membership `m` to its workspace, execution state and member (the columns above).
 _MEMBERSHIP_CONTEXT_JOINS = (
-    "JOIN workspaces w ON w.id = m.workspace_id "
-    "JOIN workspace_execution_states e ON e.workspace_id = m.workspace_id "
-    "JOIN members mem ON mem.workspace_id = m.workspace_id AND mem.workspace_membership_id = m.id"
+    "CROSS JOIN LATERAL (SELECT w.id, w.status FROM workspaces w WHERE w.id = m.workspace_id OFFSET 0) w "
+    "CROSS JOIN LATERAL (SELECT e.active_generation, e.write_fenced FROM workspace_execution_states e "
+    "WHERE e.workspace_id = m.workspace_id OFFSET 0) e "
+    "CROSS JOIN LATERAL (SELECT mem.id, mem.kind, mem.status, mem.handle FROM members mem "
+    "WHERE mem.workspace_id = m.workspace_id AND mem.workspace_membership_id = m.id OFFSET 0) mem"
 )
 
 
@@ -366,12 +372,17 @@ _API_KEY_CONTEXT = (
     "mem.id AS member_id, mem.kind AS member_kind, mem.status AS member_status, mem.handle, "
     "mem.account_id, m.id AS membership_id, m.role, m.status AS membership_status, "
     "m.projection_revision AS membership_revision, owner.status AS owner_status "
-    "FROM api_keys k "
-    "JOIN workspaces w ON w.id = k.workspace_id "
-    "JOIN workspace_execution_states e ON e.workspace_id = k.workspace_id "
-    "JOIN members mem ON mem.workspace_id = k.workspace_id AND mem.id = k.member_id "
-    "LEFT JOIN workspace_memberships m ON m.workspace_id = mem.workspace_id AND m.id = mem.workspace_membership_id "
-    "LEFT JOIN members owner ON owner.workspace_id = mem.workspace_id AND owner.id = mem.owner_member_id "
+    "FROM api_keys k "  # lookups, not joins: see _MEMBERSHIP_CONTEXT_JOINS
+    "CROSS JOIN LATERAL (SELECT w.id, w.status FROM workspaces w WHERE w.id = k.workspace_id OFFSET 0) w "
+    "CROSS JOIN LATERAL (SELECT e.active_generation, e.write_fenced FROM workspace_execution_states e "
+    "WHERE e.workspace_id = k.workspace_id OFFSET 0) e "
+    "CROSS JOIN LATERAL (SELECT mem.id, mem.kind, mem.status, mem.handle, mem.account_id, mem.workspace_id, "
+    "mem.workspace_membership_id, mem.owner_member_id FROM members mem "
+    "WHERE mem.workspace_id = k.workspace_id AND mem.id = k.member_id OFFSET 0) mem "
+    "LEFT JOIN LATERAL (SELECT m.id, m.role, m.status, m.projection_revision FROM workspace_memberships m "
+    "WHERE m.workspace_id = mem.workspace_id AND m.id = mem.workspace_membership_id OFFSET 0) m ON true "
+    "LEFT JOIN LATERAL (SELECT owner.status FROM members owner "
+    "WHERE owner.workspace_id = mem.workspace_id AND owner.id = mem.owner_member_id OFFSET 0) owner ON true "
 )
 
 
