@@ -33,14 +33,24 @@ def _task_agrees(task_scope: str, joins: str = "") -> str:
     `joins`), when the three agree and neither task nor channel is deleted.
     Its aliases (ta_*) are its own: the caller's expressions are correlated into it
     and must never be shadowed by them (an outer `st.scope_id` read as the inner
-    strand would make every strand readable to whoever reads one)."""
+    strand would make every strand readable to whoever reads one).
+
+    Each step is a one-row lookup from the strand, written as a LATERAL subquery kept
+    apart by OFFSET 0 rather than as a join: the planner then has no join order to
+    search.  As joins, these fragments (three of them in the readable predicate) made
+    most of its planning time — which every pooled connection pays again whenever
+    autovacuum passes over a table the statement reads."""
     return (
-        f"FROM strands ta_st JOIN task_boards ta_tb ON ta_tb.workspace_id = ta_st.workspace_id "
-        f"AND ta_tb.id = ta_st.board_id "
-        f"JOIN scopes ta_ts ON ta_ts.id = ta_st.scope_id JOIN scopes ta_ch ON ta_ch.id = ta_tb.channel_id {joins}"
-        f"WHERE ta_st.scope_id = {task_scope} AND ta_st.channel_id = ta_tb.channel_id "
-        f"AND ta_ts.parent_scope_id = ta_tb.channel_id AND ta_ts.workspace_id = ta_st.workspace_id "
-        f"AND ta_ch.workspace_id = ta_st.workspace_id AND ta_ts.status <> 'deleted' AND ta_ch.status <> 'deleted' "
+        f"FROM strands ta_st "
+        f"CROSS JOIN LATERAL (SELECT ta_b.channel_id, ta_b.status FROM task_boards ta_b "
+        f"WHERE ta_b.workspace_id = ta_st.workspace_id AND ta_b.id = ta_st.board_id "
+        f"AND ta_b.channel_id = ta_st.channel_id OFFSET 0) ta_tb "
+        f"CROSS JOIN LATERAL (SELECT ta_t.id FROM scopes ta_t WHERE ta_t.id = ta_st.scope_id "
+        f"AND ta_t.parent_scope_id = ta_tb.channel_id AND ta_t.workspace_id = ta_st.workspace_id "
+        f"AND ta_t.status <> 'deleted' OFFSET 0) ta_ts "
+        f"CROSS JOIN LATERAL (SELECT ta_c.status FROM scopes ta_c WHERE ta_c.id = ta_tb.channel_id "
+        f"AND ta_c.workspace_id = ta_st.workspace_id AND ta_c.status <> 'deleted' OFFSET 0) ta_ch {joins}"
+        f"WHERE ta_st.scope_id = {task_scope} "
     )
 
 
@@ -50,12 +60,14 @@ _OPEN_TO_AGENTS = "ta_st.state = 'active' AND ta_tb.status = 'active' AND ta_ch.
 
 def _task_readers(task_scope: str, member: str | None) -> str:
     """FROM/WHERE body: the board channel's readers of task `task_scope` (one, with `member`)."""
-    only = f"AND ta_cm.member_id = {member} " if member is not None else ""
+    only = f"AND ta_m.member_id = {member} " if member is not None else ""
     return _task_agrees(task_scope, (
-        f"JOIN scope_memberships ta_cm ON ta_cm.scope_id = ta_tb.channel_id AND ta_cm.effective_to_seq IS NULL "
-        f"AND ta_cm.visibility = 'public' {only}"
-        f"JOIN members ta_vm ON ta_vm.workspace_id = ta_st.workspace_id AND ta_vm.id = ta_cm.member_id "
-        f"AND ta_vm.status = 'active' AND ta_vm.visibility IS DISTINCT FROM 'private' "
+        f"CROSS JOIN LATERAL (SELECT ta_m.member_id FROM scope_memberships ta_m "
+        f"WHERE ta_m.scope_id = ta_tb.channel_id AND ta_m.effective_to_seq IS NULL "
+        f"AND ta_m.visibility = 'public' {only}OFFSET 0) ta_cm "
+        f"CROSS JOIN LATERAL (SELECT ta_v.kind FROM members ta_v WHERE ta_v.workspace_id = ta_st.workspace_id "
+        f"AND ta_v.id = ta_cm.member_id AND ta_v.status = 'active' "
+        f"AND ta_v.visibility IS DISTINCT FROM 'private' OFFSET 0) ta_vm "
     )) + f"AND (ta_vm.kind = 'human' OR ({_OPEN_TO_AGENTS}))"
 
 
