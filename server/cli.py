@@ -28,7 +28,7 @@ from server.config import DEFAULT_ATTACHMENT_TYPES, NODE_ID, DatabaseConfig, Ser
 from storage.blobs import S3Settings
 from storage.cluster import ClusterError
 from storage.lifecycle import (ClusterLost, DatabaseStartError, database_url_host, embedded_cluster, open_database,
-                               provisioned, supervise_cluster)
+                               pace_autovacuum, provisioned, supervise_cluster)
 from storage import platform, search, tenancy
 from storage.errors import Conflict, NotFound
 from storage.ids import new_id
@@ -395,6 +395,8 @@ async def _serve_async(target, config: DatabaseConfig, server_config: ServerConf
         async with trio.open_nursery() as nursery:
             if target.cluster is not None:
                 nursery.start_soon(_supervise, target.cluster, nursery.cancel_scope, lost)
+                if not target.cluster.settings.throwaway:
+                    await nursery.start(pace_autovacuum, db)
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 port = await nursery.start(server.run)
                 tune_garbage_collector()

@@ -57,7 +57,6 @@ UNIX_ONLY_PORT = 5432
 MAX_SOCKET_PATH = 100  # sun_path is 108 bytes; keep a margin like PostgreSQL's own checks
 SOCKET_FILE_NAME_MAX = len("/.s.PGSQL.NNNNN")
 MAX_CONNECTIONS = 200
-AUTOVACUUM_NAPTIME_SECONDS = 5  # see _launch_postmaster
 LOG_TAIL_LINES = 40
 ROTATE_LOG_BYTES = 64 * 1024 * 1024
 INITDB_TIMEOUT = 300.0
@@ -568,12 +567,8 @@ class PostgresCluster:
                 "-c", "logging_collector=off"]
         if self.settings.throwaway:
             argv += ["-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off"]
-        else:
-            # Until autovacuum first analyses a new table, its plans are for an empty one: each
-            # pooled connection checks a foreign key to scope_messages (scope_id, id) through an
-            # index that matches only scope_id, walking the scope's every message (a cost that
-            # grows with each one).  Looked at every 5 s, not 60, that lasts seconds.
-            argv += ["-c", f"autovacuum_naptime={AUTOVACUUM_NAPTIME_SECONDS}s"]
+        # autovacuum_naptime is not set here: the server paces it by the instance's age, through
+        # ALTER SYSTEM, which a setting on the command line would override (storage/lifecycle.py).
         log.info("starting postgres", extra={"pgdata": str(self._pgdata), "bin_dir": str(self.bin_dir),
                                              "socket_dir": str(self._socket_dir), "port": self.settings.port,
                                              "run_as": self._account.name if self._account else None})

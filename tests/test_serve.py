@@ -162,9 +162,10 @@ async def test_data_survives_restart_and_schema_has_no_drift(data_dir: Path):
     assert await stop_serve(served) == 0
 
 
-async def test_autovacuum_analyses_the_embedded_database_within_seconds_of_new_rows(data_dir: Path):
+async def test_autovacuum_analyses_a_young_embedded_database_within_seconds_of_new_rows(data_dir: Path):
     """Plans made before a table's first statistics are for an empty table (README: the embedded
-    database); autovacuum must come back every few seconds, not PostgreSQL's default minute."""
+    database); while the instance is young autovacuum must come back every few seconds, not
+    PostgreSQL's default minute."""
     served = await start_serve(data_dir)
 
     async def add_accounts(first: int) -> None:
@@ -183,6 +184,23 @@ async def test_autovacuum_analyses_the_embedded_database_within_seconds_of_new_r
     await analysed_after(0)
     await add_accounts(1000)  # more than 10 % + 50 new rows: due for its next analysis at once
     await analysed_after(1)
+    assert await stop_serve(served) == 0
+
+
+async def _configured_naptime(data_dir: Path) -> str | None:
+    return await with_scopewire_db(data_dir, lambda c: c.fetchval(
+        "SELECT setting FROM pg_file_settings WHERE name = 'autovacuum_naptime'"))
+
+
+async def test_a_grown_up_embedded_database_has_the_default_autovacuum_naptime_after_a_restart(data_dir: Path):
+    served = await start_serve(data_dir)
+    assert await _configured_naptime(data_dir) == "5s"  # no message table analysed yet
+    await with_scopewire_db(data_dir, lambda c: c.execute(
+        "ANALYZE scopes, scope_messages, scope_fanout_outbox, scope_message_search_docs"))
+    assert await stop_serve(served) == 0
+    served = await start_serve(data_dir)
+    assert await _configured_naptime(data_dir) is None  # PostgreSQL's default minute
+    assert await with_scopewire_db(data_dir, lambda c: c.fetchval("SHOW autovacuum_naptime")) == "1min"
     assert await stop_serve(served) == 0
 
 
