@@ -3,9 +3,11 @@ every 5 s while a table a message writes has never been analysed, PostgreSQL's d
 
 from __future__ import annotations
 
+import pytest
 import trio
 import trio.testing
 
+from storage.bridge import Database, PoolSettings
 from storage.lifecycle import AUTOVACUUM_CHECK_SECONDS, pace_autovacuum
 
 MESSAGE_TABLES = "scopes, scope_messages, scope_fanout_outbox, scope_message_search_docs"
@@ -22,8 +24,22 @@ async def _reset(conn) -> None:
     await conn.execute("SELECT pg_reload_conf()")
 
 
-async def test_the_naptime_is_short_until_the_message_tables_have_statistics(db, nursery, mock_clock):
+@pytest.fixture
+async def young_db(pg_cluster, template_database):
+    """A fresh clone of the template, whose tables were never analysed (the shared test
+    databases are emptied and reused, and autovacuum may have analysed them meanwhile)."""
+    async with Database(pg_cluster.dsn("postgres"), PoolSettings(min_size=1, max_size=1)) as admin:
+        await admin.run(lambda c: c.execute(f"CREATE DATABASE young_naptime TEMPLATE {template_database}"))
+        try:
+            async with Database(pg_cluster.dsn("young_naptime"), PoolSettings(min_size=1, max_size=2)) as database:
+                yield database
+        finally:
+            await admin.run(lambda c: c.execute("DROP DATABASE young_naptime WITH (FORCE)"))
+
+
+async def test_the_naptime_is_short_until_the_message_tables_have_statistics(young_db, nursery, mock_clock):
     # ALTER SYSTEM reaches the whole session cluster: leave it as found.
+    db = young_db
     finished = trio.Event()
 
     async def pacer(task_status=trio.TASK_STATUS_IGNORED) -> None:
