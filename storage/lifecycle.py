@@ -142,6 +142,7 @@ async def open_database(target: Target, database_name: str, settings: PoolSettin
     finally:
         await db.aclose()
 
+
 # Autovacuum of the embedded database.  Until autovacuum first analyses a table, its plans are for
 # an empty one: each pooled connection then checks a message's foreign keys to scope_messages
 # (scope_id, id) through an index that matches only scope_id, walking the scope's every message
