@@ -162,7 +162,7 @@ def fanout() -> Iterator[Figure]:
                      f"{_range(sw['p99_ms_all'], ' ms')}",
                      f"batched raw ceiling {_range(ceiling['p99_ms_all'], ' ms')}; websockets.broadcast "
                      f"{_range(baseline['p99_ms_all'], ' ms')}",
-                     limit, f"{_verdict(met)} ({ratio:.1f}×)" if ratio else _verdict(met))
+                     limit, f"{_verdict(met)} ({ratio:.2f}×)" if ratio else _verdict(met))
         cpu = sw["total_cpu_us_per_delivery"] / ceiling["total_cpu_us_per_delivery"]
         yield Figure(name, f"CPU per delivery with PostgreSQL and ksoftirqd, {label}",
                      f"{_num(sw['total_cpu_us_per_delivery'])} µs",
