@@ -288,8 +288,8 @@ class Database:
     async def run_overlapping(self, meanwhile: Callable[[], None] | None, fn: UnitOfWork[T], *args: Any,
                               **kwargs: Any) -> T:
         """Like `run`, for a unit on a serial critical path (a scope actor's commit): this
-        thread lets the loop thread start the unit first, then runs `meanwhile()`, whose
-        CPU work overlaps the database's."""
+        thread hands the unit over, runs `meanwhile()` (whose work overlaps the database's),
+        then lets the loop thread start the unit before it goes on."""
         return await self._submit(fn, args, kwargs, "connection", meanwhile, hand_over=True)
 
     async def on_loop(self, fn: Callable[[], Awaitable[T]]) -> T:
@@ -318,18 +318,20 @@ class Database:
             if not self._submit_wake_pending:
                 self._submit_wake_pending = True
                 self._loop.call_soon_threadsafe(self._drain_submissions)
+            if meanwhile is not None:
+                try:
+                    meanwhile()
+                except Exception:  # the job is already submitted: it must still be awaited
+                    log.exception("work overlapping a database unit failed")
             if handed_over is not None:
                 # Block this thread, the GIL released, until the loop thread has started the
                 # unit.  Otherwise the loop thread, woken while this one works through a burst
                 # (the replies of the batch before), gets the GIL only once the burst is over:
                 # each syscall here drops it, but this thread takes it back before the woken one
-                # runs (bench/ws_send.py hot: wait to start p90 2.6 → 0.16 ms).
+                # runs (bench/ws_send.py hot: wait to start p90 2.6 → 0.16 ms).  After
+                # `meanwhile`, not before: a publication's sends release the GIL for
+                # milliseconds, time enough for the loop thread to start the unit.
                 handed_over.acquire(timeout=HAND_OVER_SECONDS)
-            if meanwhile is not None:
-                try:
-                    meanwhile()
-                except Exception:  # the job is already running: it must still be awaited
-                    log.exception("work overlapping a database unit failed")
 
             def abort(_: Any) -> trio.lowlevel.Abort:
                 # Never abandon the job: wait until the loop side has really stopped it.

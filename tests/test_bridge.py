@@ -87,20 +87,34 @@ async def test_overlapping_work_runs_while_the_unit_is_in_flight(db: Database):
 
 
 async def test_an_overlapping_unit_starts_before_its_submitter_goes_on(db: Database, monkeypatch):
-    # The submitter's thread gives the loop thread the GIL to start the unit first
-    # (bounded by HAND_OVER_SECONDS, lifted here so that a busy machine cannot time it out).
+    # The submitter's thread runs `meanwhile`, then gives the loop thread the GIL to start the
+    # unit before any other trio task runs (bounded by HAND_OVER_SECONDS, lifted here so that
+    # a busy machine cannot time it out).  The loop thread is kept busy past `meanwhile`, so
+    # a submitter that went on at once would let the observer run before the unit started.
     monkeypatch.setattr(bridge, "HAND_OVER_SECONDS", 30.0)
-    started = threading.Event()
-    seen_at_meanwhile: list[bool] = []
+    loop_busy, started = threading.Event(), threading.Event()
+    meanwhile_ran = trio.Event()
+    seen_by_observer: list[bool] = []
+
+    async def keep_loop_busy():
+        loop_busy.set()
+        threading.Event().wait(0.3)  # blocks the loop thread, the GIL released
 
     async def unit(conn):
         started.set()
         return await conn.fetchval("SELECT 7")
 
-    for _ in range(20):
-        started.clear()
-        assert await db.run_overlapping(lambda: seen_at_meanwhile.append(started.is_set()), unit) == 7
-    assert all(seen_at_meanwhile), seen_at_meanwhile
+    async def observer():
+        await meanwhile_ran.wait()
+        seen_by_observer.append(started.is_set())
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(db.on_loop, keep_loop_busy)
+        await trio.to_thread.run_sync(loop_busy.wait)
+        nursery.start_soon(observer)
+        await trio.testing.wait_all_tasks_blocked()
+        assert await db.run_overlapping(meanwhile_ran.set, unit) == 7
+    assert seen_by_observer == [True]
 
 
 async def test_query_errors_surface_as_asyncpg_errors(db: Database):
