@@ -67,6 +67,8 @@ SHUTDOWN_STEPS: tuple[tuple[signal.Signals, float], ...] = (
     (signal.SIGQUIT, 5.0),
     (signal.SIGKILL, 5.0),
 )
+# An active (uncommented) max_connections line of postgresql.conf.
+_MAX_CONNECTIONS_LINE = re.compile(r"\s*max_connections\s*=")
 INITDB_LOCALE_CHOICES: tuple[tuple[str, ...], ...] = (("--locale=C.UTF-8",), ("--no-locale",))
 
 
@@ -152,6 +154,7 @@ class PostgresCluster:
             if not self._pgdata.exists():
                 self._initdb()
             self._check_existing_cluster()
+            self._configure_max_connections()
             self._hand_pgdata_to_account()
             self._stop_orphaned_postmaster()
             self._create_socket_dir()
@@ -465,6 +468,22 @@ class PostgresCluster:
 
     # ---------------------------------------------------------------- existing cluster checks
 
+    def _configure_max_connections(self) -> None:
+        """Set max_connections in postgresql.conf, not on the command line: on every reload
+        (the server's ALTER SYSTEM of autovacuum_naptime) PostgreSQL compares a restart-only
+        setting in the file with the running value and logs that initdb's 100 "cannot be
+        changed without restarting the server", though the command line's value wins."""
+        conf = self._pgdata / "postgresql.conf"
+        wanted = f"max_connections = {MAX_CONNECTIONS}\t\t# set by scopewire at each start"
+        lines = conf.read_text().splitlines()
+        current = [i for i, line in enumerate(lines) if _MAX_CONNECTIONS_LINE.match(line)]
+        if [lines[i] for i in current] == [wanted]:
+            return
+        for i in reversed(current):
+            del lines[i]
+        lines.insert(current[0] if current else len(lines), wanted)
+        _write_private_file(conf, "\n".join(lines) + "\n", self._account)
+
     def _check_existing_cluster(self) -> None:
         version_file = self._pgdata / "PG_VERSION"
         if not version_file.is_file():
@@ -563,7 +582,6 @@ class PostgresCluster:
                 "-p", str(self._port),
                 "-c", f"listen_addresses={'' if self.settings.port is None else '127.0.0.1'}",
                 "-c", "unix_socket_permissions=0700",
-                "-c", f"max_connections={MAX_CONNECTIONS}",
                 "-c", "logging_collector=off"]
         if self.settings.throwaway:
             argv += ["-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off"]

@@ -204,6 +204,27 @@ async def test_a_grown_up_embedded_database_has_the_default_autovacuum_naptime_a
     assert await stop_serve(served) == 0
 
 
+async def _unapplied_file_settings(data_dir: Path) -> list[dict]:
+    return await with_scopewire_db(data_dir, lambda c: c.fetch(
+        "SELECT sourcefile, name, setting, error FROM pg_file_settings WHERE NOT applied OR error IS NOT NULL"))
+
+
+async def test_every_setting_in_the_embedded_databases_files_applies_so_a_reload_logs_no_refusal(data_dir: Path):
+    """serve reloads PostgreSQL's configuration (ALTER SYSTEM of autovacuum_naptime); a restart-only
+    setting in postgresql.conf that disagrees with the running value is logged as refused on every
+    reload.  A cluster an older release left with initdb's max_connections line is rewritten too."""
+    served = await start_serve(data_dir)
+    assert await _unapplied_file_settings(data_dir) == []
+    assert await stop_serve(served) == 0
+    conf = data_dir / "pg" / "postgresql.conf"
+    conf.write_text(conf.read_text() + "max_connections = 100\n")
+    served = await start_serve(data_dir)
+    assert await _unapplied_file_settings(data_dir) == []
+    assert await with_scopewire_db(data_dir, lambda c: c.fetchval("SHOW max_connections")) == "200"
+    assert await stop_serve(served) == 0
+    assert "cannot be changed without restarting" not in (data_dir / "pg" / "log" / "postgres.log").read_text()
+
+
 async def test_kill_dash_nine_then_start_recovers(data_dir: Path):
     served = await start_serve(data_dir)
     await with_scopewire_db(data_dir, lambda c: c.execute(
