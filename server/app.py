@@ -313,6 +313,7 @@ class Server:
                     await self.registry.drain()
                     await settler.drain()
                     await self.cluster.close_links()
+                    await self.cluster.flush_bus()
             finally:
                 actors_nursery.cancel_scope.cancel()
 

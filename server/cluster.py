@@ -364,6 +364,10 @@ class ClusterNode(NodeLease):
         self._bus_queue: list[bytes] = []
         self._bus_wake = trio.Event()
         self._bus_seq = 0
+        # Payloads put on the queue, and of them those sent, failed or dropped (flush_bus).
+        self._bus_enqueued = 0
+        self._bus_settled = 0
+        self._bus_progress = trio.Event()
         self._last_seen: dict[str, int] = {}  # sender node → its last bus seq received
         # Another node is live: only then is anything published on the bus (one node pays nothing).
         self.peers_live = False
@@ -559,7 +563,9 @@ class ClusterNode(NodeLease):
             del self._bus_queue[0]
             self._bus_seq += 1
             self.bus_dropped += 1
+            self._bus_settled += 1
         self._bus_queue.append(payload)
+        self._bus_enqueued += 1
         self._bus_wake.set()
 
     def _seal(self, payload: bytes) -> bytes:
@@ -585,6 +591,17 @@ class ClusterNode(NodeLease):
                 except Exception as exc:  # noqa: BLE001 - lost: the receivers see a gap and replay
                     self.bus_dropped += len(payloads)
                     log.warning("bus send failed", extra={"error": str(exc), "lost": len(payloads)})
+                self._bus_settled += len(payloads)
+                self._bus_progress.set()
+                self._bus_progress = trio.Event()
+
+    async def flush_bus(self) -> None:
+        """A clean shutdown, once the actors drained: send what they published meanwhile before
+        the bus closes.  A platform broadcast the drain finished tells the other nodes' operators
+        only this way: no later publication shows them a gap to replay from."""
+        enqueued = self._bus_enqueued
+        while self._bus_settled < enqueued:
+            await self._bus_progress.wait()
 
     async def _receive_bus(self, channel: trio.MemoryReceiveChannel[Delivery]) -> None:
         """Deliver what other nodes published, everything waiting at once (one database

@@ -11,7 +11,8 @@ import asyncpg
 import pytest
 import trio
 
-from server.ops.platform import create_operator
+from protocol import platform as p
+from server.ops.platform import create_operator, publish_platform
 from storage import leases
 from storage import platform as platform_store
 from storage import tenancy
@@ -230,3 +231,31 @@ async def test_a_clean_shutdown_of_the_owner_mid_broadcast_hands_the_account_ove
     with trio.fail_after(10):
         while tuple(await _lease(second, account["id"])) != (second.server.node_id, 2):
             await trio.sleep(0.05)
+
+
+async def test_a_clean_shutdown_sends_the_other_nodes_what_the_node_published_before_it_stopped(
+        database_dsn, nursery, tenants):
+    """A broadcast the owner's drain finishes is told to the other nodes' operators only by the
+    bus (no later publication shows them a gap to replay from): the shutdown waits until the bus
+    has sent it, however slow the bus."""
+    nodes = Nodes(nursery, database_dsn)
+    first, second = await nodes.start(2)
+    cluster = first.server.cluster
+    # As the node's heartbeat finds it: another node is live, so publications go on the bus.
+    cluster.peers_live = await first.db.run(leases.other_live_nodes, cluster.node_id) > 0
+    assert cluster.peers_live
+    send = cluster.transport.send
+
+    async def slow_send(*args):
+        await trio.sleep(2)  # a slow bus: far longer than the rest of this node's shutdown
+        await send(*args)
+
+    cluster.transport.send = slow_send
+    async with operator(second, "watcher") as watcher:
+        publish_platform(first.server, "platform_service_account.updated", p.PlatformAccountChanged(
+            platform_service_account_id="psa_published_at_shutdown", version=7, name="Last words"))
+        nodes.stops[0].cancel()
+        with trio.fail_after(20):
+            data = await watcher.find("platform_service_account.updated",
+                                      lambda d: d["platform_service_account_id"] == "psa_published_at_shutdown")
+    assert data["name"] == "Last words"
