@@ -13,10 +13,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import trio
 
 from actors import platform_account as pa
 from client import connect
+from domain.platform import PLATFORM_CHANNEL
 from protocol import frames
 from storage import platform as platform_store
 from tests.conftest import App, add_person
@@ -237,6 +239,30 @@ async def test_an_account_is_provisioned_into_every_workspace_including_later_on
         assert profile is not None and profile["principal_id"] == account["id"]
         assert profile["service_account_id"] == later["local_service_account_id"]
 
+
+
+@pytest.mark.parametrize("server_config", [{"node_lease_seconds": 600.0}], indirect=True)
+async def test_what_was_notified_while_the_platform_listen_was_down_is_made_up_for_when_it_is_back(
+        app: App, tenants):
+    """A NOTIFY sent while the node's platform LISTEN connection is down is lost: once it is back the
+    node looks at every account as a '*' (a workspace created) makes it do, and claims an account no
+    actor runs — not only at its periodic pass (every 200 s here)."""
+    listen = f'LISTEN "{PLATFORM_CHANNEL}"'
+    with trio.fail_after(10):
+        while (listener := await app.db.run(lambda c: c.fetchval(
+                "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND query = $1", listen))) is None:
+            await trio.sleep(0.05)
+    async with operator(app, "ops") as ops:
+        # Written as another process would: its NOTIFY names the account, which wakes its actor only
+        # where one runs, and none does.
+        row = await app.db.transaction(platform_store.create_account, name="Late news", description="",
+                                       operator_id=ops.operator_id, correlation_id="c-late")
+        assert app.server.platform.active == 0
+        await app.db.run(lambda c: c.execute("SELECT pg_terminate_backend($1)", listener))
+        with trio.fail_after(10):
+            account = await wait_ready(ops, row["id"])
+        assert account["provisioning"]["instances_ready"] == len(tenants)
+        assert app.server.platform.active == 1
 
 # --- profile: expected version and propagation ------------------------------------------------------------
 

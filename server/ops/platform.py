@@ -214,8 +214,13 @@ async def run_platform(server: Server, nursery: trio.Nursery, *,
     while True:
         try:
             async with server.db.listen(PLATFORM_CHANNEL) as notifications:
+                # What was notified before this LISTEN began (since the claim above, or while it was
+                # down) is looked at now.
+                server.platform.wake("*")
                 async for notification in notifications:
-                    server.platform.wake(notification.payload)
+                    # A resync: notifications were lost (the LISTEN connection dropped, or this task
+                    # fell behind), any of them maybe a '*'.
+                    server.platform.wake("*" if notification.resync else notification.payload)
         except DatabaseUnavailable as exc:
             log.warning("platform LISTEN failed; the actors' periodic pass covers it", extra={"error": str(exc)})
             await trio.sleep(WAKE_RECHECK_SECONDS)
