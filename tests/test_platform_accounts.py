@@ -240,7 +240,6 @@ async def test_an_account_is_provisioned_into_every_workspace_including_later_on
         assert profile["service_account_id"] == later["local_service_account_id"]
 
 
-
 @pytest.mark.parametrize("server_config", [{"node_lease_seconds": 600.0}], indirect=True)
 async def test_what_was_notified_while_the_platform_listen_was_down_is_made_up_for_when_it_is_back(
         app: App, tenants):
@@ -263,6 +262,7 @@ async def test_what_was_notified_while_the_platform_listen_was_down_is_made_up_f
             account = await wait_ready(ops, row["id"])
         assert account["provisioning"]["instances_ready"] == len(tenants)
         assert app.server.platform.active == 1
+
 
 # --- profile: expected version and propagation ------------------------------------------------------------
 
