@@ -247,6 +247,8 @@ async def test_what_was_notified_while_the_platform_listen_was_down_is_made_up_f
     node looks at every account as a '*' (a workspace created) makes it do, and claims an account no
     actor runs — not only at its periodic pass (every 200 s here)."""
     listen = f'LISTEN "{PLATFORM_CHANNEL}"'
+    # The node opens its LISTEN after it reports started, and no event tells when: its backend is
+    # looked for until it is there.
     with trio.fail_after(10):
         while (listener := await app.db.run(lambda c: c.fetchval(
                 "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND query = $1", listen))) is None:
