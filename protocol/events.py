@@ -82,6 +82,17 @@ class ScopeArchived(msgspec.Struct):
     """The scope is archived: read-only from now on."""
 
 
+class EventsMissed(msgspec.Struct):
+    """Events that are not in the durable log may have been lost on their way from another node
+    (`reason: "cluster_bus"`): every event but `message.*` — reactions, membership changes, read
+    states, typing, presence, service account and platform broadcast changes.  Messages are not lost:
+    what this connection's cursors missed is replayed before this event.  Re-read what such events
+    keep current (scope members, reactions, read states; an operator: broadcasts and their
+    deliveries).  The frame's `scope_id` is ""."""
+
+    reason: Literal["cluster_bus"]
+
+
 EVENTS: dict[str, type[msgspec.Struct]] = {
     "message.created": f.MessageInfo,
     "message.edited": f.MessageInfo,
@@ -94,6 +105,7 @@ EVENTS: dict[str, type[msgspec.Struct]] = {
     "read_state.changed": ReadStateChanged,
     "inbox.changed": InboxChanged,
     "scope.archived": ScopeArchived,
+    "events.missed": EventsMissed,
     "collaborator.changed": collaboration.CollaboratorChanged,
     **deliveries.EVENTS,
     **service_accounts.EVENTS,

@@ -15,7 +15,8 @@
 - **The bus** (server/bus.py): every publication of the local hub goes to the
   other nodes in order, and theirs come to this node's subscribers
   (server/cluster_fanout.py).  A gap in a sender's numbers or a transport
-  resync replays every local subscriber from its cursors.
+  resync replays every local subscriber from its cursors and tells it that
+  events outside the log may be lost (`events.missed`).
 """
 
 from __future__ import annotations
@@ -647,12 +648,13 @@ class ClusterNode(NodeLease):
                 self._resync("bus messages could not be delivered")
 
     def _resync(self, why: str) -> None:
-        """Something from another node may be lost: every subscriber here replays from its cursors."""
+        """Something from another node may be lost: every subscriber here replays from its
+        cursors and is told that events not in the log may be gone (`events.missed`)."""
         self.bus_resyncs += 1
         log.warning("bus resync", extra={"why": why})
         for connection in list(self.server.connections.all):
             if connection.push is not None:
-                connection.push.catch_up()
+                connection.push.events_missed()
 
 
 async def _acquire_free(conn: asyncpg.Connection, keys: list[str], node_id: str) -> dict[str, int]:

@@ -57,6 +57,7 @@ log = logging.getLogger("scopewire.realtime")
 
 BACKFILL_PAGE = 200
 SKIPPED_AHEAD_LIMIT = 256  # feed steps remembered out of order per connection
+EVENTS_MISSED = "events.missed"
 
 
 def _message_data(message: CommittedMessage | object, event: str):
@@ -267,6 +268,16 @@ class PushState:
         """Replay what the cursors missed, in order, before anything live."""
         self._catch_up_due = True
         self._replay(None)
+
+    def events_missed(self) -> None:
+        """Events from another node may have been lost: replay the messages the cursors
+        missed, then tell the client that the rest (not in the log) may be gone too."""
+        self.catch_up()
+        backlog = self._backlog
+        assert backlog is not None
+        if not (backlog and backlog[-1].event == EVENTS_MISSED):  # one notice for resyncs in a row
+            backlog.append(CommittedEvent(EVENTS_MISSED, self.workspace_id, "", None, None,
+                                          events.EventsMissed(reason="cluster_bus")))
 
     def _replay(self, first: CommittedEvent | None) -> None:
         self.leave_group()

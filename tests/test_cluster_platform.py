@@ -259,3 +259,34 @@ async def test_a_clean_shutdown_sends_the_other_nodes_what_the_node_published_be
             data = await watcher.find("platform_service_account.updated",
                                       lambda d: d["platform_service_account_id"] == "psa_published_at_shutdown")
     assert data["name"] == "Last words"
+
+
+async def test_an_operator_is_told_when_another_nodes_platform_events_may_have_been_lost(two_nodes):
+    """Platform events are not in the log, so nothing replays one lost on the bus: the operator
+    is told (`events.missed`) and re-reads the broadcasts and accounts it shows."""
+    first, second = two_nodes
+    cluster = first.server.cluster
+    cluster.peers_live = await first.db.run(leases.other_live_nodes, cluster.node_id) > 0
+    assert cluster.peers_live
+
+    def changed(name: str) -> None:
+        publish_platform(first.server, "platform_service_account.updated", p.PlatformAccountChanged(
+            platform_service_account_id="psa_on_the_first_node", version=1, name=name))
+
+    async with operator(second, "watcher") as watcher:
+        changed("before")
+        await watcher.next_index("platform_service_account.updated", lambda d: d["name"] == "before")
+        # A publication that never reaches the bus (its number is skipped, as when a send fails).
+        relay, first.server.hub.relay = first.server.hub.relay, None
+        changed("lost")
+        first.server.hub.relay = relay
+        cluster._bus_seq += 1
+        changed("after the gap")  # the next one shows the gap
+        missed = await watcher.next_index("events.missed")
+        after = await watcher.next_index("platform_service_account.updated", lambda d: d["name"] == "after the gap")
+        await watcher.drain()
+    assert watcher.seen[missed]["data"] == {"reason": "cluster_bus"} and watcher.seen[missed]["workspace_id"] == ""
+    assert [e["data"]["name"] for e in watcher.seen if e["event"] == "platform_service_account.updated"] == [
+        "before", "after the gap"]
+    assert [e["event"] for e in watcher.seen].count("events.missed") == 1 and missed < after
+    assert second.server.cluster.bus_resyncs == 1
