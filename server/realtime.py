@@ -273,8 +273,10 @@ class PushState:
         """Events from another node may have been lost: replay the messages the cursors
         missed, then tell the client that the rest (not in the log) may be gone too."""
         self.catch_up()
-        backlog = self._backlog
+        backlog, followed = self._backlog, self.subscription
         assert backlog is not None
+        if not followed.active or not (followed.scopes or followed.workspace_id is not None):
+            return  # it follows nothing (it unsubscribed): nothing of the kind was missed
         if not (backlog and backlog[-1].event == EVENTS_MISSED):  # one notice for resyncs in a row
             backlog.append(CommittedEvent(EVENTS_MISSED, self.workspace_id, "", None, None,
                                           events.EventsMissed(reason="cluster_bus")))

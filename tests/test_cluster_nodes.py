@@ -259,7 +259,10 @@ async def test_a_lost_bus_message_loses_no_message(nodes, alpha, member_password
 
 async def test_resyncs_in_a_row_send_one_events_missed(nodes, alpha, member_password_hash):
     first, second, _ = nodes
-    async with bob_following(first, second, alpha, "twice", member_password_hash) as twice:
+    async with bob_following(first, second, alpha, "twice", member_password_hash) as twice, \
+            await signed_in(second, twice.bob) as gone:
+        await gone.call("subscribe", scopes=[{"scope_id": twice.channel_id}], **twice.ws)
+        await gone.call("unsubscribe", scope_ids=[twice.channel_id], **twice.ws)
         await twice.send("one")
         second.server.cluster._resync("a transport resync")
         second.server.cluster._resync("a gap")  # before the replay task has run: the same notice
@@ -268,6 +271,8 @@ async def test_resyncs_in_a_row_send_one_events_missed(nodes, alpha, member_pass
         with trio.fail_after(15):
             while not received or received[-1].get("seq") != 2:
                 received.append(await twice.listener.next_event())
+        await gone.call("ping")
+        assert gone.queued_events() == []  # it follows nothing any more: nothing to re-read
     assert [e["event"] for e in received] == ["message.created", "events.missed", "message.created"]
 
 
