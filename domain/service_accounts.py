@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 SERVICE_ACCOUNT_SLUG = "service-account"
 APPROVALS_SLUG = "approvals"
+# What a service account's author member may do: write messages into its own scope (§2.1).
+MESSAGE_WRITE = "message.write"
 CONVERSATION_PREFIX = "serviceAccount:"
 POST_MESSAGE_TYPE = "service_account_post"
 CARD_MESSAGE_TYPE = "app_interactive_card"

@@ -10,6 +10,7 @@ workspace.  Where the seeds say `*_uuid` we use `*_id` holding a prefixed id
 
 from __future__ import annotations
 
+from domain.service_accounts import APPROVALS_SLUG, MESSAGE_WRITE, SERVICE_ACCOUNT_SLUG
 from storage.ids import sql_check
 from storage.schema_dsl import (Check, Column, Exclude, ForeignKey, Index, Schema, Table, Unique, Version,
                                 introduced_in)
@@ -2639,6 +2640,28 @@ cluster_bus_spill = introduced_in(8, Table(
 ))
 
 
+# The shared service registrations every installation points at (service-account.md §2.1).  A
+# first use that inserted them inside a create or provisioning transaction held the new row
+# while it went on to lock workspaces, and deadlocked against another workspace's create
+# waiting on that row; registered once here, those transactions only read them.  A database
+# that registered them on first use before version 11 keeps its rows (ON CONFLICT).
+_BUILT_IN_SERVICE_REGISTRATIONS = tuple(
+    statement
+    for definition_id, capability_id, slug, kind, mode, contract in (
+        ("sdf_serviceaccount", "cap_serviceaccount", SERVICE_ACCOUNT_SLUG, "service_account", "named_multi_instance",
+         "service_account_message"),
+        ("sdf_approvalsapp00", "cap_approvalsapp00", APPROVALS_SLUG, "app", "workspace_singleton",
+         "app_notification"),
+    )
+    for statement in (
+        "INSERT INTO service_definitions (id, service_kind, slug, installation_mode) "
+        f"VALUES ('{definition_id}', '{kind}', '{slug}', '{mode}') ON CONFLICT (slug) DO NOTHING",
+        "INSERT INTO service_capabilities (id, service_definition_id, capability, delivery_contract) "
+        f"SELECT '{capability_id}', id, '{MESSAGE_WRITE}', '{contract}' FROM service_definitions WHERE slug = '{slug}' "
+        "ON CONFLICT DO NOTHING",
+    )
+)
+
 SCHEMA = Schema(
     tables=(
         instance_metadata,
@@ -2748,6 +2771,8 @@ SCHEMA = Schema(
         Version(9, "scale-out: platform account ownership leases with fencing epochs"),
         Version(10, "platform broadcast attachments: operators' assets, the broadcast's frozen asset manifest, "
                     "per-delivery asset mappings to workspace attachments"),
+        Version(11, "the Service Actor substrate's two built-in registrations, registered here instead of on "
+                    "first use", after=_BUILT_IN_SERVICE_REGISTRATIONS),
     ),
     extensions=EXTENSIONS,
 )

@@ -20,7 +20,8 @@ import asyncpg
 import msgspec
 
 from domain.platform import PLATFORM_CHANNEL
-from domain.service_accounts import APPROVALS_SLUG, SERVICE_ACCOUNT_SLUG, identity_key, normalize_name, target_id
+from domain.service_accounts import (APPROVALS_SLUG, MESSAGE_WRITE, SERVICE_ACCOUNT_SLUG, identity_key, normalize_name,
+                                     target_id)
 from storage import applier, deliveries, human_lifecycle, visibility
 from storage.errors import Conflict, NotFound
 from storage.human_lifecycle import record_audit
@@ -29,8 +30,6 @@ from storage.ids import new_id
 _canonical = msgspec.json.Encoder(order="sorted")
 
 CANCELLABLE_STATES = ("submitted", "awaiting_authorization", "action_required")
-# What a service account's author member may do: write messages into its own scope (§2.1).
-MESSAGE_WRITE = "message.write"
 
 
 class AlreadyMaterialized(Conflict):
@@ -56,25 +55,15 @@ async def hold_workspace(conn: asyncpg.Connection, workspace_id: str) -> None:
 
 # --- the Service Actor substrate ------------------------------------------------------------------------
 
-async def ensure_definition(conn: asyncpg.Connection, slug: str, kind: str, mode: str,
-                      delivery_contract: str) -> tuple[str, str]:
-    """The shared product registration `slug` and its message.write capability (created on first use)."""
-    await conn.execute(
-        "INSERT INTO service_definitions (id, service_kind, slug, installation_mode) VALUES ($1, $2, $3, $4) "
-        "ON CONFLICT (slug) DO NOTHING",
-        new_id("sdf"), kind, slug, mode,
+async def registration(conn: asyncpg.Connection, slug: str) -> tuple[str, str]:
+    """The shared registration `slug` and its message.write capability (schema version 11 registers
+    both built-ins; only read here, so no create or provisioning transaction writes a shared row)."""
+    row = await conn.fetchrow(
+        "SELECT d.id, c.id AS capability_id FROM service_definitions d JOIN service_capabilities c "
+        "ON c.service_definition_id = d.id AND c.capability = $2 WHERE d.slug = $1",
+        slug, MESSAGE_WRITE,
     )
-    definition_id = await conn.fetchval("SELECT id FROM service_definitions WHERE slug = $1", slug)
-    await conn.execute(
-        "INSERT INTO service_capabilities (id, service_definition_id, capability, delivery_contract) "
-        "VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING",
-        new_id("cap"), definition_id, MESSAGE_WRITE, delivery_contract,
-    )
-    capability_id = await conn.fetchval(
-        "SELECT id FROM service_capabilities WHERE service_definition_id = $1 AND capability = $2",
-        definition_id, MESSAGE_WRITE,
-    )
-    return definition_id, capability_id
+    return row["id"], row["capability_id"]
 
 
 def _handles(name: str, member_id: str) -> tuple[str, str]:
@@ -124,8 +113,7 @@ async def install_named(conn: asyncpg.Connection, workspace_id: str, definition_
 
 async def approvals_app_member(conn: asyncpg.Connection, workspace_id: str) -> str:
     """The built-in Approvals app's author member in this workspace (installed on first use)."""
-    definition_id, capability_id = await ensure_definition(conn, APPROVALS_SLUG, "app", "workspace_singleton",
-                                                     "app_notification")
+    definition_id, capability_id = await registration(conn, APPROVALS_SLUG)
     existing = await conn.fetchval(
         "SELECT sm.member_id FROM service_installations i JOIN service_members sm ON sm.service_installation_id = i.id "
         "WHERE i.service_definition_id = $1 AND i.workspace_id = $2 AND i.instance_key = 'workspace'",
@@ -181,8 +169,7 @@ async def create_substrate(conn: asyncpg.Connection, workspace_id: str, account_
     """An account's Service Actor substrate (§2.1): its named installation (instance key = the principal)
     with service member, author member and live message.write grant, its `service_account` scope, and the
     target binding of the two.  Returns (installation id, service member id, author member id, scope id)."""
-    definition_id, capability_id = await ensure_definition(conn, SERVICE_ACCOUNT_SLUG, "service_account",
-                                                           "named_multi_instance", "service_account_message")
+    definition_id, capability_id = await registration(conn, SERVICE_ACCOUNT_SLUG)
     scope_id = new_id("scp")
     installation_id, service_member_id, author_member_id = await install_named(
         conn, workspace_id, definition_id, capability_id, principal_id, name)

@@ -16,6 +16,7 @@ import pytest
 from storage.bridge import Database, PoolSettings
 from storage.cluster import ClusterSettings, PostgresCluster
 from storage.migrations import migrate
+from storage.schema import SCHEMA
 
 TEMPLATE = "scopewire_template"
 _database_numbers = itertools.count(1)
@@ -95,7 +96,7 @@ async def _fingerprint(dsn: str) -> str:
 async def _empty_for_reuse(cluster: PostgresCluster, name: str) -> bool:
     """Closes `name` to new sessions (a process the test left behind cannot reconnect into
     the next test's data), ends every other session and deletes every row but the recorded
-    migrations; False (the caller drops it) when its schema or migrations no longer match the
+    migrations and the rows the migrations' data steps seed (run again on the empty tables); False (the caller drops it) when its schema or migrations no longer match the
     template's, or another session is still there."""
     conn = await asyncpg.connect(cluster.dsn(name))
     try:
@@ -110,6 +111,8 @@ async def _empty_for_reuse(cluster: PostgresCluster, name: str) -> bool:
         async with conn.transaction():
             await conn.execute("SET LOCAL session_replication_role = replica")  # no FK order, no triggers
             await conn.execute("; ".join(f"DELETE FROM {table['name']}" for table in tables))
+            for statement in (statement for version in SCHEMA.versions for statement in version.after):
+                await conn.execute(statement)
         return True
     finally:
         await conn.close()

@@ -23,11 +23,11 @@ async def wait_for_query(admin: Database, condition: str, *,
         await sleep(0.05)
 
 
-async def hold_table_lock(admin: Database, nursery: trio.Nursery, table: str, *,
+async def hold_table_lock(admin: Database, nursery: trio.Nursery, table: str, *, mode: str = "ACCESS EXCLUSIVE",
                           sleep: Callable[[float], Awaitable[object]] = trio.sleep) -> None:
-    """Lock `table` exclusively until `release_locks` (or 60 s); return once it is held."""
+    """Lock `table` (or a comma-separated list) in `mode` until `release_locks` (or 60 s); return once held."""
     async def hold(conn):
-        await conn.execute(f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE")
+        await conn.execute(f"LOCK TABLE {table} IN {mode} MODE")
         await conn.execute("SELECT pg_sleep(60)")
 
     async def holder():

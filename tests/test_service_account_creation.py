@@ -16,7 +16,7 @@ from client import ClientError, connect
 from server.ops import service_accounts as sa_ops
 from storage.errors import DatabaseUnavailable
 from tests.conftest import App
-from tests.db_faults import terminate, wait_for_query
+from tests.db_faults import hold_table_lock, release_locks, terminate, wait_for_query
 from tests.service_account_helpers import (Feed, approvals_messages, cards_for, create_ready,
                                            expect_idempotency_conflict, expect_reason, org, set_policy,
                                            unread_in_dms, wait_ready, ws_of)
@@ -108,6 +108,31 @@ async def test_accounts_share_one_definition_but_own_every_identity_row(app: App
 
 
 # --- 2. direct create -------------------------------------------------------------------------------------
+
+async def test_creating_accounts_never_writes_the_shared_registrations(app: App, org):
+    """Both built-in registrations exist from the migration on, and creates only read them: a
+    create that inserted one on first use held that row while it went on to lock workspaces, and
+    deadlocked against another workspace's create (or a platform provisioning) waiting on it."""
+    alpha, _, people = org
+    ws = ws_of(alpha)
+    registered = await app.db.run(lambda conn: conn.fetch(
+        "SELECT d.slug, d.service_kind, d.installation_mode, c.capability, c.delivery_contract "
+        "FROM service_definitions d JOIN service_capabilities c ON c.service_definition_id = d.id ORDER BY d.slug"))
+    assert [tuple(r) for r in registered] == [
+        ("approvals", "app", "workspace_singleton", "message.write", "app_notification"),
+        ("service-account", "service_account", "named_multi_instance", "message.write", "service_account_message")]
+    async with trio.open_nursery() as nursery:
+        # Writes to either table wait behind this lock; reads and foreign-key checks do not.
+        await hold_table_lock(app.db, nursery, "service_definitions, service_capabilities", mode="SHARE")
+        async with await signed_in(app, alpha.owner) as owner, await signed_in(app, people["bob"]) as b:
+            with trio.fail_after(30):
+                await create_ready(await Feed.open(owner, ws), "Direct")
+                # Bob's request needs approval: the Approvals app is installed in the workspace on first use.
+                request = await b.call("service_account.request.submit", client_request_id="ask", name="Asked",
+                                       description="", **ws)
+            assert request["authorization_path"] == "approval_required"
+        await release_locks(app.db)
+
 
 async def test_direct_create_provisions_then_fulfils_with_the_creator_as_first_manager(app: App, org):
     alpha, _, people = org
