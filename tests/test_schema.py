@@ -142,3 +142,27 @@ async def test_version_2_moves_legacy_client_routing_keys_aside(empty_database_d
         metadata = await database.run(lambda conn: conn.fetchval(
             "SELECT metadata::text FROM scope_messages WHERE id = 'msg_00000000000001'"))
         assert json.loads(metadata) == {"keep": 1, "client_recipients": ["mem_x"], "client_quote": "q"}
+
+
+async def test_version_11_keeps_registrations_a_first_use_made(empty_database_dsn: str):
+    """Before version 11 the two Service Actor registrations were inserted on first use, under
+    ids of their own; the upgrade registers only what is missing and keeps what installations
+    already point at."""
+    ten = Schema(tables=SCHEMA.tables, versions=SCHEMA.versions[:10], extensions=SCHEMA.extensions)
+
+    async def first_use(conn) -> None:
+        await conn.execute("INSERT INTO service_definitions (id, service_kind, slug, installation_mode) "
+                           "VALUES ('sdf_00000000000001', 'service_account', 'service-account', 'named_multi_instance')")
+        await conn.execute("INSERT INTO service_capabilities (id, service_definition_id, capability, delivery_contract) "
+                           "VALUES ('cap_00000000000001', 'sdf_00000000000001', 'message.write', "
+                           "'service_account_message')")
+
+    async with Database(empty_database_dsn) as database:
+        await database.run(migrate, ten)
+        await database.run(first_use)
+        assert await database.run(migrate) == [11]
+        registered = await database.run(lambda conn: conn.fetch(
+            "SELECT d.slug, d.id, c.id AS capability_id FROM service_definitions d "
+            "JOIN service_capabilities c ON c.service_definition_id = d.id ORDER BY d.slug"))
+        assert [tuple(r) for r in registered] == [("approvals", "sdf_approvalsapp00", "cap_approvalsapp00"),
+                                                  ("service-account", "sdf_00000000000001", "cap_00000000000001")]
