@@ -22,7 +22,8 @@ from domain.platform import PLATFORM_CHANNEL
 from protocol import frames
 from storage import platform as platform_store
 from tests.conftest import App, add_person
-from tests.platform_helpers import (broadcast, conversation_messages, create_platform_account, get_account,
+from tests.db_faults import hold_table_lock, release_locks
+from tests.platform_helpers import (EVENT_TIMEOUT, broadcast, conversation_messages, create_platform_account, get_account,
                                     instances, local_account, operator, wait_broadcast_done, wait_ready)
 from tests.service_account_helpers import Feed, create_ready, expect_reason, text_columns_naming, ws_of
 from tests.test_tenancy import expect_error, signed_in
@@ -143,6 +144,22 @@ async def test_accounts_are_separate_principals_sharing_one_name_namespace(app: 
                      expected_version=account["version"], **ws_of(beta))
         payroll = await create_platform_account(ops, "Payroll")
         assert payroll["id"] not in (news["id"], alerts["id"])
+
+
+async def test_provisioning_beside_a_workspace_create_only_reads_the_shared_registrations(app: App, tenants):
+    """A platform account's provisioning locks workspace after workspace in one transaction; a
+    workspace's own create runs beside it.  Neither writes the shared Service Actor registrations
+    (schema version 11 registered them), so neither can wait on the other's uncommitted one."""
+    _, beta = tenants
+    async with trio.open_nursery() as nursery:
+        # Writes to either table wait behind this lock; reads and foreign-key checks do not.
+        await hold_table_lock(app.db, nursery, "service_definitions, service_capabilities", mode="SHARE")
+        async with operator(app) as ops, await signed_in(app, beta.owner) as b:
+            with trio.fail_after(EVENT_TIMEOUT):
+                account = await create_platform_account(ops, "News")
+                await create_ready(await Feed.open(b, ws_of(beta)), "Payroll")
+                await wait_ready(ops, account["id"])
+        await release_locks(app.db)
 
 
 # --- 2. provisioning: every workspace, now and later ------------------------------------------------------
