@@ -239,7 +239,8 @@ async def test_a_clean_shutdown_sends_the_other_nodes_what_the_node_published_be
     bus (no later publication shows them a gap to replay from): the shutdown waits until the bus
     has sent it, however slow the bus."""
     nodes = Nodes(nursery, database_dsn)
-    first, second = await nodes.start(2)
+    # The shutdown's grace bounds how long it waits for the bus: well beyond the slow bus below.
+    first, second = await nodes.start(2, shutdown_grace_seconds=10.0)
     cluster = first.server.cluster
     # As the node's heartbeat finds it: another node is live, so publications go on the bus.
     cluster.peers_live = await first.db.run(leases.other_live_nodes, cluster.node_id) > 0
