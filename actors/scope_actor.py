@@ -5,9 +5,10 @@ It drains its mailbox in batches and commits each batch in ONE transaction
 consecutive seqs and inserted with one statement; other commands run in
 savepoints of the same transaction, so one failing command does not fail its
 neighbours.  After commit it replies to every caller; the committed events are
-published while the next batch's transaction runs (or at once when the mailbox
-is empty), and the inline outbox rows are marked by the node's settler
-(actors/inline_settler.py) in a transaction of its own.
+published while the next batch's transaction runs — or at once, when the mailbox
+is empty or publishing takes this scope longer than committing — and the inline
+outbox rows are marked by the node's settler (actors/inline_settler.py) in a
+transaction of its own.
 
 Across processes: an actor runs only on the node holding the scope's lease
 (storage/leases.py), and every write transaction passes the lease's fence
@@ -58,6 +59,12 @@ from storage.errors import Conflict, DatabaseUnavailable, LeaseLost, NotFound, S
 log = logging.getLogger("scopewire.actors")
 
 MAX_BATCH = 256
+# Weight of the newest sample in the actor's moving averages of publish and commit times.
+_AVERAGE_WEIGHT = 0.2
+
+
+def _moving_average(average: float, sample: float) -> float:
+    return sample if average == 0.0 else average + (sample - average) * _AVERAGE_WEIGHT
 
 
 class Refused(Exception):
@@ -313,6 +320,10 @@ class ScopeActor:
         # yet; the mark rides in the next batch's transaction, or commits alone when the
         # mailbox is empty.
         self._unsettled: list[str] = []
+        # Moving averages of a publication's and of a commit's wall time here (seconds):
+        # whether the next batch commits while this one is published, or after.
+        self._publish_seconds = 0.0
+        self._commit_seconds = 0.0
 
     @property
     def mailbox_depth(self) -> int:
@@ -363,6 +374,14 @@ class ScopeActor:
                 finally:
                     if turn is not None:
                         self.write_turns.release(turn)
+                if self._publish_seconds > self._commit_seconds:
+                    # Overlapped with the next commit, a publication costlier than a commit sets
+                    # the pace of both, and its messages wait for that commit too: publish it
+                    # first (at 1,000 subscribers × 500 msg/s, commits 10.7 → 4.4 ms, delivery
+                    # p99 65.5 → 47.5 ms; README: fanout).  Cheaper ones still overlap, which a
+                    # hot scope's closed-loop senders need for their rate.
+                    self._publish(pending)
+                    pending = None
         finally:
             self.stopped = True
             self.mailbox.close()
@@ -432,8 +451,11 @@ class ScopeActor:
             return publication
         del self._unsettled[:len(settling)]
         self._executions |= self._executions_in_batch
+        elapsed = time.perf_counter() - started
+        if previous is None:  # an overlapped commit's time is the publication's as much as its own
+            self._commit_seconds = _moving_average(self._commit_seconds, elapsed)
         if self.on_commit is not None:
-            self.on_commit(len(batch), time.perf_counter() - started)
+            self.on_commit(len(batch), elapsed)
         # Answered before anything else can fail: the batch has committed.
         for command, outcome in zip(batch, outcomes):
             if isinstance(outcome, BaseException):
@@ -591,8 +613,11 @@ class ScopeActor:
         if publication.published:
             return
         publication.published = True
+        started = time.perf_counter()
         # One publication per batch: each connection gets the batch in one write.
         self.hub.publish_many(publication.items)
+        if publication.items:
+            self._publish_seconds = _moving_average(self._publish_seconds, time.perf_counter() - started)
         # Marked delivered only once really handed over: by the node's settler when there
         # is one — its own transaction, off this actor's commit path (a mark riding in the
         # next batch cost a hot scope's batch an UPDATE and split its fence statement in
