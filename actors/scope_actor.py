@@ -377,9 +377,9 @@ class ScopeActor:
                 if self._publish_seconds > self._commit_seconds:
                     # Overlapped with the next commit, a publication costlier than a commit sets
                     # the pace of both, and its messages wait for that commit too: publish it
-                    # first (at 1,000 subscribers × 500 msg/s, commits 10–12 → 4–5 ms, delivery
-                    # p99 55.5–64.5 → 38.5–46.5 ms; README: fanout).  Cheaper ones still overlap,
-                    # which a hot scope's closed-loop senders need for their rate.
+                    # first (at 1,000 subscribers × 500 msg/s, commits 10–16 → 4–7 ms and a fifth
+                    # less PostgreSQL CPU; README: fanout).  Cheaper ones still overlap, which a
+                    # hot scope's closed-loop senders need for their rate.
                     self._publish(pending)
                     pending = None
         finally:
