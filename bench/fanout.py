@@ -98,7 +98,6 @@ import hashlib  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
-import re  # noqa: E402
 import resource  # noqa: E402
 import select  # noqa: E402
 import shlex  # noqa: E402
@@ -130,7 +129,6 @@ OWNER_EMAIL = "owner@example.com"
 WORKSPACE_SLUG = "bench"
 TS_MARK = b"ts="          # content starts with ts=<19 digits>;  (no '@': no mentions)
 TS_DIGITS = 19
-TS_PATTERN = re.compile(rb"ts=(\d{%d})" % TS_DIGITS)
 
 TARGET_RATIO = 1.0
 TARGET_P99_MS = 25.0
@@ -229,18 +227,15 @@ def client_loop(ep: select.epoll, conns: dict[int, Any], errors: collections.Cou
                 connect_s: float, subscribe_frame: bytes, on_text: Callable[[Any, bytes, int, int, int], None],
                 on_measure: Callable[[list[str]], None], progress: Callable[[], dict[str, Any]],
                 subscribed_fields: Callable[[], dict[str, Any]] = dict,
-                after_read: Callable[[Any], None] | None = None, mark: bytes | None = None,
-                on_marked: Callable[[bytes, int, int], None] | None = None) -> float | None:
+                after_read: Callable[[Any], None] | None = None) -> float | None:
     """The client process's epoll loop until `report`/`quit` on stdin (or EOF, or `deadline`).
 
     Stdin commands: `subscribe` sends `subscribe_frame` on every authed connection;
     `measure ...` calls `on_measure(words)` and starts the CPU count.  Emits the `authed`
     and `subscribed` phases (plus `subscribed_fields()`) once settled, then `progress()`
     every 0.25 s.  Every text/binary frame goes to `on_text(conn, data, start, end,
-    now_ns)`, except, when `mark` is given, those holding it: they go to `on_marked(data, end,
-    now_ns)` once per read, `end` the end of the read's complete frames; pings are answered
-    (counted in `pings`), closes recorded in `closes`; `after_read(conn)` runs after each
-    socket read of an open connection.
+    now_ns)`; pings are answered (counted in `pings`), closes recorded in `closes`;
+    `after_read(conn)` runs after each socket read of an open connection.
     Returns this process's CPU seconds since `measure` (None without one)."""
     stdin_fd = sys.stdin.fileno()
     os.set_blocking(stdin_fd, False)
@@ -346,8 +341,7 @@ def client_loop(ep: select.epoll, conns: dict[int, Any], errors: collections.Cou
                     break
                 op = data[pos] & 0x0F
                 if op == 1 or op == 2:
-                    if mark is None or data.find(mark, start, end) < 0:
-                        on_text(c, data, start, end, now)
+                    on_text(c, data, start, end, now)
                 elif op == 9:  # ping -> pong with the same payload
                     pings["pings"] += 1
                     with contextlib.suppress(OSError):
@@ -362,8 +356,6 @@ def client_loop(ep: select.epoll, conns: dict[int, Any], errors: collections.Cou
                     pos = n
                     break
                 pos = end
-            if on_marked is not None and pos:
-                on_marked(data, pos, now)
             if c.state == "closed":
                 continue
             c.buf = data[pos:] if pos < n else b""
@@ -421,59 +413,49 @@ def run_subscribers(args: argparse.Namespace) -> int:
     connect_s = time.monotonic() - started
 
     # ---- measurement state
-    # The subscribers share the server's cores: what they spend per delivery delays both
-    # servers' wakeups.  So a read's timestamps are taken in one regular-expression pass
-    # (C) and kept as bytes; the histogram is made after the window, not per delivery.
-    t0 = b"9" * TS_DIGITS  # content sent at/after t0 is measured (fixed width: bytes order = number order)
+    t0 = 1 << 63  # content sent at/after t0 is measured
     t1 = 1 << 63
     measured = 0
+    in_window = 0
     measured_bytes = 0
     other_deliveries = 0
-    read_ns: list[int] = []   # per read holding measured deliveries: when it returned
-    read_ts: list[bytes] = []  # ... and their send timestamps, TS_DIGITS bytes each
+    first_ns = 0
+    last_ns = 0
+    hist: dict[int, int] = {}
 
     def control(c: _Conn, payload: bytes) -> None:
         msg = control_frame(c, payload, errors)
         if msg is not None and msg.get("type") not in ("result", "error"):
             counts["other_frames"] += 1
 
-    def on_marked(data: bytes, end: int, now: int) -> None:
-        nonlocal measured, measured_bytes, other_deliveries
-        found = TS_PATTERN.findall(data, 0, end)
-        if not found:
+    def on_text(c: _Conn, data: bytes, start: int, end: int, now: int) -> None:
+        nonlocal measured, in_window, measured_bytes, other_deliveries, first_ns, last_ns
+        i = data.find(TS_MARK, start, end)
+        if i < 0:
+            control(c, data[start:end])
             return
-        every = len(found)
-        if min(found) < t0:
-            found = [ts for ts in found if ts >= t0]
-            other_deliveries += every - len(found)
-            if not found:
-                return
-        measured += len(found)
-        measured_bytes += end * len(found) // every
-        read_ns.append(now)
-        read_ts.append(b"".join(found))
+        ts = int(data[i + 3:i + 3 + TS_DIGITS])
+        if ts < t0:
+            other_deliveries += 1
+            return
+        measured += 1
+        measured_bytes += end - start
+        if now <= t1:
+            in_window += 1
+        if not first_ns:
+            first_ns = now
+        last_ns = now
+        lat = (now - ts) // 1000
+        key = lat // 10 if lat < 10_000 else 1000 + lat // 1000
+        hist[key] = hist.get(key, 0) + 1
 
     def on_measure(words: list[str]) -> None:
         nonlocal t0, t1
-        t0, t1 = f"{int(words[1]):0{TS_DIGITS}d}".encode(), int(words[2])
+        t0, t1 = int(words[1]), int(words[2])
 
     cpu_s = client_loop(ep, conns, errors, closes, counts, deadline=started + args.max_seconds,
-                        connect_s=connect_s, subscribe_frame=subscribe_frame,
-                        on_text=lambda c, data, start, end, now: control(c, data[start:end]),
-                        on_measure=on_measure, progress=lambda: {"p": measured, "w": other_deliveries},
-                        mark=TS_MARK, on_marked=on_marked)
-    hist: dict[int, int] = {}
-    in_window = 0
-    for now, stamps in zip(read_ns, read_ts):
-        frames = len(stamps) // TS_DIGITS
-        if now <= t1:
-            in_window += frames
-        for at in range(0, len(stamps), TS_DIGITS):
-            lat = (now - int(stamps[at:at + TS_DIGITS])) // 1000
-            key = lat // 10 if lat < 10_000 else 1000 + lat // 1000
-            hist[key] = hist.get(key, 0) + 1
-    first_ns = read_ns[0] if read_ns else 0
-    last_ns = max(read_ns, default=0)
+                        connect_s=connect_s, subscribe_frame=subscribe_frame, on_text=on_text,
+                        on_measure=on_measure, progress=lambda: {"p": measured, "w": other_deliveries})
     report = {
         "phase": "report",
         "connections": len(conns),
