@@ -75,12 +75,11 @@ def test_every_delivery_is_counted_once_and_timed_from_its_read():
         cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         _line(process, "authed")
-        process.stdin.write("subscribe\n")
+        window_end = time.time_ns()  # before anything measured is sent: none of it is in the window
+        # Lines are read in order: once it reports `subscribed`, it has taken in the window too.
+        process.stdin.write(f"measure {t0} {window_end}\nsubscribe\n")
         process.stdin.flush()
         _line(process, "subscribed")
-        window_end = time.time_ns()  # before anything measured is sent: none of it is in the window
-        process.stdin.write(f"measure {t0} {window_end}\n")
-        process.stdin.flush()
         ready.set()
         server.join(30)
         process.stdin.write("report\n")
