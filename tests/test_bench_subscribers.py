@@ -88,6 +88,7 @@ def test_every_delivery_is_counted_once_and_timed_from_its_read():
     finally:
         process.kill()
         process.wait()
+        listener.close()
     assert pong == [b"p!"]
     assert (report["measured"], report["warmup_deliveries"]) == (5, 1)
     assert report["counts"]["other_frames"] == 1
