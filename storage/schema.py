@@ -2426,6 +2426,9 @@ attachments = introduced_in(7, Table(
 # The search projection of a visible message (scope-model §3.15): written in the send's
 # transaction, rewritten by an edit, deleted by a withdrawal.  Never a source of read
 # access: every hit goes through the readable predicate of history.
+GIN_WRITE_THROUGH = (("fastupdate", "off"),)
+_GIN_INDEXES = ("scope_message_search_docs_vector_idx", "scope_message_search_docs_mentions_idx")
+
 scope_message_search_docs = introduced_in(7, Table(
     "scope_message_search_docs",
     columns=(
@@ -2450,7 +2453,11 @@ scope_message_search_docs = introduced_in(7, Table(
                   "scope", on_delete="CASCADE"),
     ),
     indexes=(
-        Index("scope_message_search_docs_vector_idx", "search_vector", using="gin"),
+        # Written straight into the index (version 12): with GIN's default pending list, the
+        # send whose insert fills it moves thousands of messages' entries into the index
+        # inside its own commit, a 0.1–0.2 s stall of the scope's writes (bench/HISTORY.md).
+        Index("scope_message_search_docs_vector_idx", "search_vector", using="gin",
+              storage=GIN_WRITE_THROUGH, storage_since=12),
         # Newest first within the workspace (the result order and the cursor).
         Index("scope_message_search_docs_order_idx", "workspace_id, workspace_global_seq DESC"),
         Index("scope_message_search_docs_scope_idx", "scope_id, workspace_global_seq DESC"),
@@ -2459,7 +2466,8 @@ scope_message_search_docs = introduced_in(7, Table(
         Index("scope_message_search_docs_time_idx", "workspace_id, created_at"),
         Index("scope_message_search_docs_attachment_idx", "workspace_id, workspace_global_seq DESC",
               where="has_attachment"),
-        Index("scope_message_search_docs_mentions_idx", "mention_member_ids", using="gin"),
+        Index("scope_message_search_docs_mentions_idx", "mention_member_ids", using="gin",
+              storage=GIN_WRITE_THROUGH, storage_since=12),
     ),
 ))
 
@@ -2773,6 +2781,9 @@ SCHEMA = Schema(
                     "per-delivery asset mappings to workspace attachments"),
         Version(11, "the Service Actor substrate's two built-in registrations, registered here instead of on "
                     "first use", after=_BUILT_IN_SERVICE_REGISTRATIONS),
+        Version(12, "the search projection's GIN indexes without a pending list (fastupdate off)", before=tuple(
+            # What the pending lists hold moves into the indexes now, while fastupdate is still on.
+            f"SELECT gin_clean_pending_list('{name}'::regclass)" for name in _GIN_INDEXES)),
     ),
     extensions=EXTENSIONS,
 )

@@ -90,11 +90,22 @@ class Index:
     using: str = "btree"
     where: str | None = None
     since: int = 1
+    # Storage parameters (`WITH (name = value, ...)`) and the version that set them: an
+    # index built by an earlier version gets them from that version's ALTER INDEX.
+    storage: tuple[tuple[str, str], ...] = ()
+    storage_since: int = 1
 
-    def ddl(self, table: str) -> str:
+    def ddl(self, table: str, version: int) -> str:
         unique = "UNIQUE " if self.unique else ""
+        storage = f" WITH ({self._storage()})" if self.storage and self.storage_since <= version else ""
         where = f" WHERE {self.where}" if self.where else ""
-        return f"CREATE {unique}INDEX {self.name} ON {table} USING {self.using} ({self.keys}){where}"
+        return f"CREATE {unique}INDEX {self.name} ON {table} USING {self.using} ({self.keys}){storage}{where}"
+
+    def alter_storage_ddl(self) -> str:
+        return f"ALTER INDEX {self.name} SET ({self._storage()})"
+
+    def _storage(self) -> str:
+        return ", ".join(f"{name} = {value}" for name, value in self.storage)
 
 
 @dataclass(frozen=True)
@@ -166,7 +177,8 @@ class Schema:
 
         Order: new tables (columns, keys, checks) → new columns of existing
         tables → new constraints of existing tables → every new foreign key
-        (after all tables exist, so cycles need no special casing) → indexes.
+        (after all tables exist, so cycles need no special casing) → indexes
+        → new storage parameters of existing indexes.
         """
         statements: list[str] = []
         new_tables = [t for t in self.tables if t.since == version]
@@ -195,9 +207,14 @@ class Schema:
                 if fk.since == version or (table.since == version and fk.since < version)
             ]
             statements += [
-                ix.ddl(table.name)
+                ix.ddl(table.name, version)
                 for ix in table.indexes
                 if ix.since == version or (table.since == version and ix.since < version)
+            ]
+            statements += [
+                ix.alter_storage_ddl()
+                for ix in table.indexes
+                if ix.storage and ix.storage_since == version and ix.since < version
             ]
         return statements
 
@@ -216,6 +233,8 @@ class Schema:
                 assert table.since <= element.since <= self.latest_version, (table.name, element)
                 until = getattr(element, "until", None)
                 assert until is None or element.since < until <= self.latest_version, (table.name, element)
+            for index in table.indexes:
+                assert index.storage_since == 1 or index.since <= index.storage_since <= self.latest_version, index
             for element in elements:
                 assert element.name not in names, f"duplicate name {element.name}"
                 names.add(element.name)

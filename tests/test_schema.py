@@ -64,6 +64,8 @@ async def test_bootstrap_of_empty_database_then_idempotent(empty_database_dsn: s
         ("CREATE TABLE stray (id int)", "unexpected table stray"),
         ("DROP TABLE conversation_member_states", "missing table conversation_member_states"),
         ("DELETE FROM schema_migrations", "schema version"),
+        ("ALTER INDEX scope_message_search_docs_vector_idx SET (fastupdate = on)",
+         "index scope_message_search_docs.scope_message_search_docs_vector_idx differs"),
     ],
 )
 async def test_verify_reports_each_kind_of_drift(db: Database, sabotage: str, expected_fragment: str):
@@ -77,7 +79,8 @@ async def test_later_versions_are_derived_from_the_definition(empty_database_dsn
     exactly what bootstrap of version 2 builds."""
     v1 = Schema(
         tables=(Table("things", (Column("id", "text"), Column("b", "int", since=2)), ("id",),
-                      indexes=(Index("things_b_idx", "b", since=2),)),
+                      indexes=(Index("things_b_idx", "b", since=2),
+                               Index("things_id_idx", "id", storage=(("fillfactor", "70"),), storage_since=2))),
                 Table("later", (Column("id", "text"),), ("id",), since=2)),
         versions=(Version(1, "one"),),
     )
@@ -91,6 +94,12 @@ async def test_later_versions_are_derived_from_the_definition(empty_database_dsn
         cols = await database.run(lambda c: c.fetch("SELECT column_name FROM information_schema.columns "
                                                      "WHERE table_name = 'things' ORDER BY 1"))
         assert [r[0] for r in cols] == ["b", "id"]
+        # The storage parameter set by version 2 on an index version 1 built.
+        options = await database.run(lambda c: c.fetchval(
+            "SELECT reloptions FROM pg_class WHERE relname = 'things_id_idx'"))
+        assert options == ["fillfactor=70"]
+    assert not any("fillfactor" in s for s in v1.statements_for(1))
+    assert "ALTER INDEX things_id_idx SET (fillfactor = 70)" in v2.statements_for(2)
 
 
 async def test_constraints_hold_in_the_database(db: Database):
@@ -160,7 +169,7 @@ async def test_version_11_keeps_registrations_a_first_use_made(empty_database_ds
     async with Database(empty_database_dsn) as database:
         await database.run(migrate, ten)
         await database.run(first_use)
-        assert await database.run(migrate) == [11]
+        assert (await database.run(migrate))[0] == 11
         registered = await database.run(lambda conn: conn.fetch(
             "SELECT d.slug, d.id, c.id AS capability_id FROM service_definitions d "
             "JOIN service_capabilities c ON c.service_definition_id = d.id ORDER BY d.slug"))

@@ -75,3 +75,44 @@ async def test_finalize_refuses_a_scope_missing_docs(empty_database_dsn: str):
         assert result == {"scope_id": "scp_00000000000001", "read_ready": False, "reason": "docs_missing",
                           "missing_docs": 1}
         assert not await database.run(search.scope_search_ready, "scp_00000000000001")
+
+
+async def _pending_list_pages(conn, index: str) -> int:
+    """Pages in the GIN index's pending list, read without moving it (pgstattuple)."""
+    await conn.execute("CREATE EXTENSION IF NOT EXISTS pgstattuple")
+    return await conn.fetchval("SELECT pending_pages FROM pgstatginindex($1::regclass)", index)
+
+
+async def test_version_12_empties_the_search_pending_lists_and_writes_straight_into_the_indexes(
+        empty_database_dsn: str):
+    """A send's commit never moves a pending list into the index: from version 12 the search
+    projection's GIN indexes have none (fastupdate off), and what an older database had queued
+    is moved by the upgrade."""
+    indexes = ("scope_message_search_docs_vector_idx", "scope_message_search_docs_mentions_idx")
+    async with Database(empty_database_dsn) as database:
+        await database.run(migrate, Schema(tables=SCHEMA.tables, versions=SCHEMA.versions[:6],
+                                           extensions=SCHEMA.extensions))
+        await database.run(_version_6_messages)
+        await database.run(migrate, Schema(tables=SCHEMA.tables, versions=SCHEMA.versions[:11],
+                                           extensions=SCHEMA.extensions))
+        while not await database.transaction(search.backfill_batch, "scp_00000000000001", 10):
+            pass
+        assert [await database.run(_pending_list_pages, index) for index in indexes] == [1, 1]
+        assert await database.run(migrate) == [12]
+        options = await database.run(lambda conn: conn.fetch(
+            "SELECT relname, reloptions FROM pg_class WHERE relname = ANY($1::text[]) ORDER BY relname",
+            list(indexes)))
+        assert [r["reloptions"] for r in options] == [["fastupdate=off"]] * 2
+        assert [await database.run(_pending_list_pages, index) for index in indexes] == [0, 0]
+        # New docs go straight into the indexes, and search finds them there.
+        await database.run(lambda conn: conn.execute(
+            "DELETE FROM scope_message_search_docs WHERE message_id = 'msg_00000000000004'"))
+        await database.run(lambda conn: conn.execute(
+            "UPDATE scope_message_search_state SET backfill_cursor_seq = 0, backfill_state = 'pending' "
+            "WHERE scope_id = 'scp_00000000000001'"))
+        while not await database.transaction(search.backfill_batch, "scp_00000000000001", 10):
+            pass
+        assert [await database.run(_pending_list_pages, index) for index in indexes] == [0, 0]
+        found = await database.run(lambda conn: conn.fetchval(
+            "SELECT count(*) FROM scope_message_search_docs WHERE search_vector @@ to_tsquery('simple', '4')"))
+        assert found == 1
