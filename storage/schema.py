@@ -2423,12 +2423,12 @@ attachments = introduced_in(7, Table(
     ),
 ))
 
+_GIN_WRITE_THROUGH = (("fastupdate", "off"),)
+_GIN_INDEXES = ("scope_message_search_docs_vector_idx", "scope_message_search_docs_mentions_idx")
+
 # The search projection of a visible message (scope-model §3.15): written in the send's
 # transaction, rewritten by an edit, deleted by a withdrawal.  Never a source of read
 # access: every hit goes through the readable predicate of history.
-GIN_WRITE_THROUGH = (("fastupdate", "off"),)
-_GIN_INDEXES = ("scope_message_search_docs_vector_idx", "scope_message_search_docs_mentions_idx")
-
 scope_message_search_docs = introduced_in(7, Table(
     "scope_message_search_docs",
     columns=(
@@ -2457,7 +2457,7 @@ scope_message_search_docs = introduced_in(7, Table(
         # send whose insert fills it moves thousands of messages' entries into the index
         # inside its own commit, a 0.1–0.2 s stall of the scope's writes (bench/HISTORY.md).
         Index("scope_message_search_docs_vector_idx", "search_vector", using="gin",
-              storage=GIN_WRITE_THROUGH, storage_since=12),
+              storage=_GIN_WRITE_THROUGH, storage_since=12),
         # Newest first within the workspace (the result order and the cursor).
         Index("scope_message_search_docs_order_idx", "workspace_id, workspace_global_seq DESC"),
         Index("scope_message_search_docs_scope_idx", "scope_id, workspace_global_seq DESC"),
@@ -2467,7 +2467,7 @@ scope_message_search_docs = introduced_in(7, Table(
         Index("scope_message_search_docs_attachment_idx", "workspace_id, workspace_global_seq DESC",
               where="has_attachment"),
         Index("scope_message_search_docs_mentions_idx", "mention_member_ids", using="gin",
-              storage=GIN_WRITE_THROUGH, storage_since=12),
+              storage=_GIN_WRITE_THROUGH, storage_since=12),
     ),
 ))
 
