@@ -104,12 +104,14 @@ async def test_a_dead_owners_account_is_claimed_by_the_periodic_pass_without_a_c
                                                                                       tenants):
     nodes = Nodes(nursery, database_dsn)
     (first,) = await nodes.start(1)
-    # The survivor's periodic pass runs every third of its node lease: each second here.
-    first, second = await nodes.start(1, node_lease_seconds=3.0)
     async with operator(first, "creator") as creator:
         account = await create_platform_account(creator, "News")
         await wait_ready(creator, account["id"])
     assert (await _lease(first, account["id"]))["node_id"] == first.server.node_id
+    # Started once the first node owns the account (before, on a busy machine, its periodic
+    # pass could claim the new account first).  It runs every third of its node lease: each
+    # second here.
+    first, second = await nodes.start(1, node_lease_seconds=3.0)
     await first.db.run(lambda conn: conn.execute(
         "UPDATE cluster_nodes SET heartbeat_at = now() - interval '2 seconds', "
         "lease_expires_at = now() - interval '1 second' WHERE node_id = $1", first.server.node_id))
